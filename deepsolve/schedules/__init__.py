@@ -1,0 +1,27 @@
+"""Checkpoint schedules as lazily generated streams of actions (pure Python, no torch).
+
+A schedule says how to reverse a chain of ``n`` steps ``x_{i+1} = step(x_i, i)`` under a
+memory limit: which states to keep as snapshots, which steps to recompute, when to record a
+step and pull the adjoint through it. See :mod:`deepsolve.schedules.actions` for the
+vocabulary and docs/schedules.md for a guide.
+
+>>> from deepsolve import schedules
+>>> s = schedules.revolve(10, snapshots=2)
+>>> schedules.stats(s).advances == schedules.optimal_cost(10, 2) == 20
+True
+"""
+
+from .actions import Action, Advance, Free, Record, Restore, Reverse, Store
+from .base import Schedule
+from .basic import Periodic, StoreAll, periodic, store_all
+from .check import LevelCounts, ScheduleError, ScheduleStats, check, stats
+from .cost import beta, optimal_cost, repetitions
+from .revolve import Revolve, revolve
+
+__all__ = [
+    "Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse",
+    "Schedule", "Revolve", "StoreAll", "Periodic",
+    "revolve", "store_all", "periodic",
+    "optimal_cost", "repetitions", "beta",
+    "check", "stats", "ScheduleStats", "ScheduleError", "LevelCounts",
+]
