@@ -1,7 +1,16 @@
-"""deepsolve: train through long iterative computations with exact, memory-bounded gradients."""
+"""deepsolve: train through long iterative computations with exact, memory-bounded gradients.
+
+Public surface:
+
+* :func:`unroll` — run ``x_{i+1} = step(x_i, i)`` for ``n`` steps with a checkpoint schedule
+  and exact gradients (:class:`UnrollStats` reports what it did);
+* :mod:`schedules` — checkpoint schedules as lazy action streams (revolve, store_all,
+  periodic), their costs and a checker.
+"""
 
 from . import schedules
+from .unroll import UnrollStats, unroll
 
 __version__ = "0.1.0"
 
-__all__ = ["schedules", "__version__"]
+__all__ = ["schedules", "unroll", "UnrollStats", "__version__"]
