@@ -100,7 +100,7 @@ def test_revolve_uses_all_slots_when_needed():
 def test_edge_cases():
     assert list(S.revolve(0, 3)) == []
     assert S.check(S.revolve(0, 1)).advances == 0
-    assert list(S.revolve(1, 1)) == [Store(0, 0), Reverse(0), Free(0, 0)]
+    assert list(S.revolve(1, 1)) == [Reverse(0)]  # recorded straight from x_0, no store
     st = S.check(S.revolve(5, 1))  # only x_0: quadratic recomputation
     assert st.advances == 4 + 3 + 2 + 1 and int(st.peak_slots) == 1
     for s in (10, 11, 50):  # s >= n: every step advanced once, no recomputation

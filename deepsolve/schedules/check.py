@@ -135,7 +135,7 @@ def _walk(
                     have = f"x_{current}" if current >= 0 else "no state"
                     raise fail(f"reversing step {i} needs x_{i} (or its tape) but holds {have}")
                 recorded += 1
-                current = -1
+            current = -1  # after any reverse step the current state is undefined
             adjoint = i
         elif kind is Store:
             key = (action.level, action.slot)

@@ -44,6 +44,9 @@ class Revolve(Schedule):
         n = self.n_steps
         if n == 0:
             return
+        if n == 1:  # record step 0 straight from x_0: nothing to store
+            yield Reverse(0)
+            return
         free = list(range(self.snapshots - 1, 0, -1))  # slot 0 holds x_0
         yield Store(0, 0)
         # A frame (a, m, c, slot): reverse steps a .. a+m-1; x_a is held in `slot`;
