@@ -52,6 +52,9 @@ class ScheduleStats:
         stores, restores, frees: snapshot writes, reads and releases (per level too).
         peak_tapes: most recorded steps kept at once (not counting the one being reversed).
         actions: number of actions.
+        peak_slots_total: most snapshots held at once over all levels.
+        peak_storage: most snapshots + kept tapes held at once (for mixed schedules, where a
+            slot holds either).
     """
 
     n_steps: int
@@ -64,6 +67,7 @@ class ScheduleStats:
     peak_tapes: int
     actions: int
     peak_slots_total: int = field(default=0)
+    peak_storage: int = field(default=0)
 
     @property
     def recompute_factor(self) -> float:
@@ -95,6 +99,7 @@ def _walk(
     frees: dict[int, int] = {}
     kept: set[int] = set()
     peak_tapes = 0
+    peak_storage = 0
     advances = recorded = 0
     count = 0
 
@@ -121,6 +126,8 @@ def _walk(
                     kept.add(i)
                 if len(kept) > peak_tapes:
                     peak_tapes = len(kept)
+                if len(kept) + len(held) > peak_storage:
+                    peak_storage = len(kept) + len(held)
                 if tapes is not None and len(kept) > tapes:
                     raise fail(f"keeps {len(kept)} recorded steps; the limit is {tapes}")
         elif kind is Reverse:
@@ -157,6 +164,8 @@ def _walk(
                 peak[lv] = per_level[lv]
             if len(held) > peak_total:
                 peak_total = len(held)
+            if len(kept) + len(held) > peak_storage:
+                peak_storage = len(kept) + len(held)
         elif kind is Restore or kind is Free:
             key = (action.level, action.slot)
             if key not in held:
@@ -199,6 +208,7 @@ def _walk(
         peak_tapes=peak_tapes,
         actions=count if n else 0,
         peak_slots_total=peak_total,
+        peak_storage=peak_storage,
     )
 
 
