@@ -4,13 +4,16 @@ Public surface:
 
 * :func:`unroll` — run ``x_{i+1} = step(x_i, i)`` for ``n`` steps with a checkpoint schedule
   and exact gradients (:class:`UnrollStats` reports what it did);
+* :func:`plan` — profile a step and pick the fastest schedule under a memory budget
+  (:class:`Plan`, :class:`BudgetError`);
 * :mod:`schedules` — checkpoint schedules as lazy action streams (revolve, store_all,
   periodic), their costs and a checker.
 """
 
 from . import schedules
+from .memory import BudgetError, Plan, plan
 from .unroll import UnrollStats, unroll
 
 __version__ = "0.1.0"
 
-__all__ = ["schedules", "unroll", "UnrollStats", "__version__"]
+__all__ = ["schedules", "unroll", "UnrollStats", "plan", "Plan", "BudgetError", "__version__"]

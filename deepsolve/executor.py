@@ -1,0 +1,704 @@
+"""The executor: runs a checkpoint schedule as a ``torch.autograd.Function``.
+
+``final = execute(step, x0, schedule)`` computes ``x_{i+1} = step(x_i, i)`` for ``i = 0 .. n-1``
+and returns ``x_n`` so that ``final`` (and per-step outputs) can be differentiated with
+respect to ``x0``, to the parameters of the modules the step uses and to tensors it closes
+over. Instead of keeping every step's activations (``n`` recorded steps), it follows a
+checkpoint schedule from :mod:`deepsolve.schedules`: the forward sweep keeps only the
+snapshots the schedule asks for, and the reverse sweep restores them, recomputes, records
+one step at a time and pulls the adjoint through it::
+
+    lambda_n = dL/dx_n,
+    lambda_i = J_i(x_i)^T lambda_{i+1} + (dL/dy_i)^T dy_i/dx_i,
+    dL/dtheta = sum_i (dx_{i+1}/dtheta)^T lambda_{i+1} + (dy_i/dtheta)^T dL/dy_i,
+
+each term from ``torch.autograd.grad`` on the recorded step ``i`` (``y_i`` are per-step
+outputs). Memory: ``s`` snapshots + one recorded step; time: ``t(n, s)`` unrecorded and ``n``
+recorded steps (Griewank & Walther, ACM TOMS 26(1), 2000). The gradients are those of plain
+backpropagation, bit for bit up to the order of floating-point summation of parameter
+gradients: recomputed steps replay the same RNG stream and autocast settings.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .schedules import Schedule
+from .schedules.actions import Advance, Free, Record, Restore, Reverse, Store
+
+__all__ = ["execute", "UnrollStats", "HostStorage"]
+
+
+@dataclass
+class UnrollStats:
+    """What one unroll did; pass an instance as ``unroll(..., stats=s)`` to have it filled.
+
+    The forward fields are set when ``unroll`` returns, the backward ones when the reverse
+    sweep has run.
+
+    Attributes:
+        n_steps: length of the chain.
+        schedule: ``repr`` of the schedule used.
+        advances: unrecorded step evaluations (forward sweep and recomputation).
+        recorded: recorded step evaluations (each step once).
+        snapshots_peak: most snapshots held at once, over all storage levels (the initial
+            state included).
+        snapshot_bytes_peak: most device-memory (level 0) snapshot bytes held at once, the
+            caller's initial state excluded.
+        state_bytes: bytes of one state.
+        forward_time, backward_time: wall time of the two sweeps [s].
+    """
+
+    n_steps: int = 0
+    schedule: str = ""
+    advances: int = 0
+    recorded: int = 0
+    snapshots_peak: int = 0
+    snapshot_bytes_peak: int = 0
+    state_bytes: int = 0
+    forward_time: float = 0.0
+    backward_time: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------
+# state handling
+
+
+def _is_diff(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _flatten_state(state: Any) -> tuple[list[torch.Tensor], Any]:
+    if isinstance(state, torch.Tensor):
+        return [state], None
+    leaves, spec = pytree.tree_flatten(state)
+    if not leaves:
+        raise TypeError("unroll: the state holds no tensors")
+    for k, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"unroll: state leaf {k} is a {type(leaf).__name__}, not a tensor; every leaf "
+                "of the state must be a tensor (keep constants in the step's closure)"
+            )
+    return leaves, spec
+
+
+def _unflatten(leaves: Sequence[torch.Tensor], spec: Any) -> Any:
+    return leaves[0] if spec is None else pytree.tree_unflatten(list(leaves), spec)
+
+
+class _Step:
+    """Calls the user's step on flat leaves and checks what comes back."""
+
+    def __init__(self, fn: Callable, spec: Any, proto: list[torch.Tensor],
+                 has_output: bool | None):
+        self.fn = fn
+        self.spec = spec
+        self.meta = [(t.shape, t.dtype, t.device) for t in proto]
+        self.has_output = has_output
+        self.out_spec: Any = None
+        self.n_out = 0
+
+    def __call__(self, leaves: list[torch.Tensor], i: int):
+        """Returns ``(next_leaves, output_leaves)`` without checks (the hot path)."""
+        spec = self.spec
+        res = self.fn(leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec), i)
+        if self.has_output:
+            nxt, out = res
+            out = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
+        else:
+            nxt, out = res, ()
+        return ([nxt] if spec is None else pytree.tree_leaves(nxt)), out
+
+    def fast_check(self, leaves: list[torch.Tensor], i: int) -> None:
+        """Cheap per-step check of shapes and dtypes; the full check names what is wrong."""
+        for t, (shape, dtype, _) in zip(leaves, self.meta, strict=True):
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
+                self.check(_unflatten(leaves, self.spec), i)
+
+    def first(self, leaves: list[torch.Tensor], i: int):
+        """The first call: decide whether the step returns outputs, and check structure."""
+        res = self.fn(_unflatten(leaves, self.spec), i)
+        if self.has_output is None:
+            self.has_output = not self._matches(res) and isinstance(res, tuple) and \
+                len(res) == 2 and self._matches(res[0])
+        if self.has_output:
+            if not (isinstance(res, tuple) and len(res) == 2):
+                raise TypeError(f"unroll: step {i} must return (next_state, output) "
+                                f"(has_output=True), got {type(res).__name__}")
+            nxt, out = res
+            out_leaves, self.out_spec = pytree.tree_flatten(out)
+            for k, o in enumerate(out_leaves):
+                if not isinstance(o, torch.Tensor):
+                    raise TypeError(f"unroll: output leaf {k} of step {i} is a "
+                                    f"{type(o).__name__}, not a tensor")
+            self.n_out = len(out_leaves)
+        else:
+            nxt, out_leaves = res, []
+        nxt_leaves = self.check(nxt, i)
+        return nxt_leaves, out_leaves
+
+    def _matches(self, res: Any) -> bool:
+        if self.spec is None:
+            return isinstance(res, torch.Tensor)
+        try:
+            return pytree.tree_structure(res) == self.spec
+        except Exception:  # pragma: no cover - exotic containers
+            return False
+
+    def check(self, nxt: Any, i: int) -> list[torch.Tensor]:
+        if self.spec is None:
+            if not isinstance(nxt, torch.Tensor):
+                raise TypeError(f"unroll: step {i} returned a {type(nxt).__name__}; expected "
+                                "the next state (a tensor) or (next_state, output)")
+            leaves = [nxt]
+        else:
+            leaves, spec = pytree.tree_flatten(nxt)
+            if spec != self.spec:
+                raise TypeError(f"unroll: step {i} returned a state of structure {spec}, but "
+                                f"the state has structure {self.spec}")
+        for k, (t, (shape, dtype, device)) in enumerate(zip(leaves, self.meta, strict=True)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"unroll: step {i} returned a {type(t).__name__} for state "
+                                f"leaf {k}; expected a tensor")
+            if t.shape != shape or t.dtype != dtype or t.device != device:
+                raise ValueError(
+                    f"unroll: step {i} changed state leaf {k} from {tuple(shape)} {dtype} on "
+                    f"{device} to {tuple(t.shape)} {t.dtype} on {t.device}; a step must return "
+                    "a state of the same shape, dtype and device"
+                )
+        return leaves
+
+
+# ----------------------------------------------------------------------------------------
+# parameter discovery
+
+
+def _graph_leaves(roots: Sequence[torch.Tensor], stop: dict, marker: int,
+                  inputs: set) -> list[torch.Tensor]:
+    """Leaf tensors requiring grad reached from ``roots``' graph, stopping at ``stop`` nodes.
+
+    A node older than ``marker`` (created before the step ran) that is not a leaf means the
+    step uses a tensor computed outside it, which needs ``params=``.
+    """
+    found: list[torch.Tensor] = []
+    seen: set = set()
+    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in stop:
+            continue
+        var = getattr(node, "variable", None)
+        if var is not None:  # AccumulateGrad: a leaf
+            if id(var) not in inputs:
+                found.append(var)
+            continue
+        if node._sequence_nr() < marker and node.name() not in _SAFE_OUTER_NODES:
+            raise ValueError(
+                f"unroll: the step uses a tensor that requires grad and was computed outside "
+                f"it (its graph node is {node.name()}); pass such tensors explicitly with "
+                "params=[...] so their gradients can flow"
+            )
+        todo.extend(f for f, _ in node.next_functions)
+    return found
+
+
+# Nodes of the caller's graph that may be traversed any number of times because they save
+# nothing: dtype/device casts, such as those autocast caches for a region's weights.
+_SAFE_OUTER_NODES = frozenset({"ToCopyBackward0"})
+
+
+def _sequence_marker() -> int:
+    with torch.enable_grad():
+        return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
+
+
+# ----------------------------------------------------------------------------------------
+# RNG and autocast
+
+
+def _devices(tensors: Sequence[torch.Tensor]) -> list[int]:
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
+def _get_rng(cuda: list[int]):
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda]
+
+
+def _set_rng(rng, cuda: list[int]) -> None:
+    cpu, gpu = rng
+    torch.set_rng_state(cpu)
+    for d, st in zip(cuda, gpu, strict=True):
+        torch.cuda.set_rng_state(st, d)
+
+
+def _autocast_state() -> list[tuple[str, torch.dtype]]:
+    out = []
+    for dev in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                out.append((dev, torch.get_autocast_dtype(dev)))
+        except (RuntimeError, TypeError):  # pragma: no cover - backend missing
+            pass
+    return out
+
+
+class _Autocast:
+    def __init__(self, state: list[tuple[str, torch.dtype]]):
+        self.ctx = [torch.autocast(dev, dtype=dt) for dev, dt in state]
+
+    def __enter__(self):
+        for c in self.ctx:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self.ctx):
+            c.__exit__(*exc)
+
+
+# ----------------------------------------------------------------------------------------
+# the executor
+
+
+class HostStorage:
+    """A second storage level in host memory: device tensors are copied to (pinned) CPU
+    memory with ``non_blocking=True`` so the copy overlaps compute; restored on demand."""
+
+    def __init__(self):
+        self.data: dict = {}
+
+    def put(self, key, tensors: list[torch.Tensor]) -> None:
+        out = []
+        for t in tensors:
+            if t.device.type == "cuda":
+                h = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                h.copy_(t, non_blocking=True)
+            else:
+                h = t.clone()
+            out.append(h)
+        self.data[key] = out
+
+    def get(self, key, meta) -> list[torch.Tensor]:
+        return [t.to(m[2], non_blocking=True) for t, m in zip(self.data[key], meta, strict=True)]
+
+    def drop(self, key) -> None:
+        del self.data[key]
+
+    def close(self) -> None:
+        self.data.clear()
+
+
+class _Executor:
+    """Runs one schedule: the forward sweep in ``forward``, the reverse sweep in ``backward``."""
+
+    def __init__(self, step: _Step, schedule: Schedule, n_steps: int, n_state: int,
+                 preserve_rng: bool, stats: UnrollStats | None, cuda: list[int],
+                 autocast: list, storage: dict | None = None):
+        self.step = step
+        self.schedule = schedule
+        self.n = n_steps
+        self.params: list[torch.Tensor] = []
+        self.n_state = n_state
+        self.preserve_rng = preserve_rng
+        self.stats = stats
+        self.cuda = cuda
+        self.autocast = autocast
+        self.slots: dict[tuple[int, int], tuple] = {}
+        self.tapes: dict[int, tuple] = {}
+        self.actions: Iterator | None = None
+        self.pending: Reverse | None = None
+        self.advances = 0
+        self.recorded = 0
+        self.n_slots = 0
+        self.peak_slots = 0
+        self.state_bytes = stats.state_bytes if stats is not None else 0
+        self.snap_bytes = 0  # level-0 snapshot bytes held now, x_0 excluded
+        self.peak_snap_bytes = 0
+        self.storage: dict = dict(storage or {})
+        self.done = False
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _advance(self, cur: list[torch.Tensor], a: int, b: int, outs) -> list[torch.Tensor]:
+        step = self.step
+        lo = a
+        with torch.no_grad():
+            if a == 0 and self.frontier == 0:  # the very first call: infer outputs, check
+                cur, out = step.first(cur, 0)
+                self._put(outs, 0, out)
+                lo = 1
+            if outs is None:
+                for i in range(lo, b):
+                    cur, _ = step(cur, i)
+            else:
+                for i in range(lo, b):
+                    cur, out = step(cur, i)
+                    if i >= self.frontier:
+                        self.step.fast_check(cur, i)
+                        self._put(outs, i, out)
+        self.advances += b - a
+        return cur
+
+    def _put(self, outs, i, out):
+        if i < self.frontier:
+            return
+        self.frontier = i + 1
+        if not outs and out:
+            outs.extend(torch.empty((self.n, *o.shape), dtype=o.dtype, device=o.device)
+                        for o in out)
+        for buf, o in zip(outs, out, strict=True):
+            buf[i].copy_(o.detach())
+
+    def _record(self, cur: list[torch.Tensor], i: int):
+        """Run step ``i`` with grad from detached inputs; returns the tape (x_in, y, out)."""
+        x_in = [t.detach().requires_grad_(_is_diff(t)) for t in cur]
+        try:
+            with torch.enable_grad():
+                if i == 0 and self.frontier == 0:
+                    y, out = self.step.first(x_in, 0)
+                else:
+                    y, out = self.step(x_in, i)
+        except RuntimeError as e:
+            if "in-place" not in str(e):
+                raise
+            raise RuntimeError(f"unroll: step {i} modified its input state in place ({e}); "
+                               "a step must return new tensors") from e
+        return x_in, y, out
+
+    def _store(self, cur, a: Store):
+        rng = None
+        if self.preserve_rng:
+            rng = _get_rng(self.cuda)
+        key = (a.level, a.slot)
+        if a.level == 0:
+            data = cur
+            if a.index != 0:  # x_0 is the caller's tensor: holding it costs nothing
+                self.snap_bytes += self.state_bytes
+                if self.snap_bytes > self.peak_snap_bytes:
+                    self.peak_snap_bytes = self.snap_bytes
+                    if self.stats is not None:
+                        self.stats.snapshot_bytes_peak = self.snap_bytes
+        else:  # a second storage level (host memory, disk): the backend keeps the data
+            data = None
+            self._backend(a.level).put(key, cur)
+        self.slots[key] = (data, [t._version for t in cur], rng, a.index)
+        self.n_slots += 1
+        if self.n_slots > self.peak_slots:
+            self.peak_slots = self.n_slots
+
+    def _free(self, a: Free):
+        key = (a.level, a.slot)
+        _, _, _, index = self.slots.pop(key)
+        self.n_slots -= 1
+        if a.level == 0:
+            if index != 0:
+                self.snap_bytes -= self.state_bytes
+        else:
+            self._backend(a.level).drop(key)
+
+    def _backend(self, level: int):
+        backend = self.storage.get(level)
+        if backend is None:
+            backend = self.storage[level] = HostStorage()
+        return backend
+
+    def _restore(self, a: Restore):
+        data, versions, rng, _ = self.slots[(a.level, a.slot)]
+        if a.level != 0:
+            data = self._backend(a.level).get((a.level, a.slot), self.step.meta)
+        elif any(t._version != v for t, v in zip(data, versions, strict=True)):
+            raise RuntimeError(
+                f"unroll: the snapshot of x_{a.index} was modified in place after it was "
+                "stored; the step must not modify its input state in place (return new tensors)"
+            )
+        if rng is not None:
+            _set_rng(rng, self.cuda)
+        return list(data)
+
+    def _run(self, cur, outs, until_reverse: bool):
+        """Interpret actions until the first Reverse (forward) or the end (backward)."""
+        for a in self.actions:
+            t = type(a)
+            if t is Advance:
+                cur = self._advance(cur, a.start, a.stop, outs)
+            elif t is Reverse:
+                if until_reverse:
+                    return cur, a
+                self._reverse(cur, a.index)
+                cur = None
+            elif t is Store:
+                self._store(cur, a)
+            elif t is Restore:
+                cur = self._restore(a)
+            elif t is Free:
+                self._free(a)
+            elif t is Record:
+                for i in range(a.start, a.stop):
+                    tape = self._record(cur, i)
+                    self.tapes[i] = tape
+                    self.recorded += 1
+                    cur = [y.detach() for y in tape[1]]
+                    if outs is not None:
+                        if i >= self.frontier:
+                            self.step.fast_check(cur, i)
+                        self._put(outs, i, [o.detach() for o in tape[2]])
+            else:
+                raise TypeError(f"unroll: unknown schedule action {a!r}")
+        return cur, None
+
+    # -- the two sweeps --------------------------------------------------------------------
+
+    def forward(self, x0: list[torch.Tensor]):
+        t0 = time.perf_counter()
+        self.marker = _sequence_marker()  # graph nodes older than this are the caller's
+        self.frontier = 0
+        self.actions = iter(self.schedule)
+        outs: list[torch.Tensor] = []
+        cur, rev = self._run([t.detach() for t in x0], outs, until_reverse=True)
+        if rev is None or rev.index != self.n - 1:
+            raise ValueError(f"unroll: schedule {self.schedule!r} must reverse step "
+                             f"{self.n - 1} first")
+        if rev.index in self.tapes:
+            tape = self.tapes.pop(rev.index)
+        else:
+            tape = self._record(cur, rev.index)
+            self.recorded += 1
+            self.step.fast_check([y.detach() for y in tape[1]], rev.index)
+            self._put(outs, rev.index, [o.detach() for o in tape[2]])
+        self.pending = (rev.index, tape)
+        self.final = [y.detach() for y in tape[1]]
+        self.outs = outs
+        if self.stats is not None:
+            self.stats.forward_time = time.perf_counter() - t0
+            self._fill_stats()
+        return tape
+
+    def backward(self, g_final: Sequence, g_outs: Sequence):
+        if self.done:
+            raise RuntimeError("unroll: backward through a checkpointed unroll can run only "
+                               "once; call unroll again for a second backward pass")
+        if torch.is_grad_enabled():
+            raise RuntimeError("unroll: double backward (create_graph=True) through a "
+                               "checkpointed unroll is not supported; use schedule='store_all' "
+                               "for higher-order derivatives")
+        self.done = True
+        t0 = time.perf_counter()
+        self.g_outs = g_outs
+        self.adj = list(g_final)
+        self.pgrads: list[torch.Tensor | None] = [None] * len(self.params)
+        self.owned = [False] * len(self.params)
+        fork = torch.random.fork_rng(devices=self.cuda) if self.preserve_rng else None
+        try:
+            if fork is not None:
+                fork.__enter__()
+            with _Autocast(self.autocast):
+                i, tape = self.pending
+                self.pending = None
+                self._pull(tape, i)
+                self._run(None, None, until_reverse=False)
+        finally:
+            if fork is not None:
+                fork.__exit__(None, None, None)
+            self.release()
+        if self.stats is not None:
+            self.stats.backward_time = time.perf_counter() - t0
+            self._fill_stats()
+        return self.adj, self.pgrads
+
+    def release(self) -> None:
+        """Drop every snapshot and tape and close the storage backends (remove spill files)."""
+        self.slots.clear()
+        self.tapes.clear()
+        self.pending = None
+        for backend in self.storage.values():
+            backend.close()
+
+    def _reverse(self, cur, i: int):
+        tape = self.tapes.pop(i, None)
+        if tape is None:
+            tape = self._record(cur, i)
+            self.recorded += 1
+        self._pull(tape, i)
+
+    def _pull(self, tape, i: int):
+        """adjoint_i = J_i^T adjoint_{i+1} (+ output terms); accumulate parameter grads."""
+        x_in, y, out = tape
+        roots, seeds = [], []
+        for t, g in zip(y, self.adj, strict=True):
+            if g is not None and t.requires_grad:
+                roots.append(t)
+                seeds.append(g)
+        for k, o in enumerate(out):
+            g = self.g_outs[k] if k < len(self.g_outs) else None
+            if g is not None and o.requires_grad:
+                roots.append(o)
+                seeds.append(g[i])
+        inputs = [t for t in x_in if t.requires_grad] + self.params
+        if not roots or not inputs:
+            self.adj = [None] * self.n_state
+            return
+        grads = torch.autograd.grad(roots, inputs, seeds, allow_unused=True)
+        it = iter(grads)
+        self.adj = [next(it) if t.requires_grad else None for t in x_in]
+        pg, owned = self.pgrads, self.owned
+        for k, g in enumerate(it):
+            if g is None:
+                continue
+            if pg[k] is None:
+                pg[k] = g  # may alias autograd's buffers: not ours to modify in place
+            elif owned[k]:
+                pg[k].add_(g)
+            else:
+                pg[k] = pg[k] + g
+                owned[k] = True
+
+    def _fill_stats(self):
+        s = self.stats
+        s.advances = self.advances
+        s.recorded = self.recorded
+        s.snapshots_peak = self.peak_slots
+        s.snapshot_bytes_peak = self.peak_snap_bytes
+
+
+class _UnrollFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ex: _Executor, *inputs):
+        ctx.ex = ex
+        ctx.set_materialize_grads(False)
+        ctx.n_final = len(ex.final)
+        return (*ex.final, *ex.outs)  # computed by ex.forward before apply
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ex: _Executor = ctx.ex
+        adj, pgrads = ex.backward(grads[:ctx.n_final], grads[ctx.n_final:])
+        return (None, *adj, *pgrads)
+
+
+# ----------------------------------------------------------------------------------------
+# public entry point
+
+
+def execute(
+    step: Callable[[Any, int], Any],
+    state: Any,
+    schedule: Schedule,
+    *,
+    params: Sequence[torch.Tensor] | None = None,
+    has_output: bool | None = None,
+    preserve_rng: bool = True,
+    stats: UnrollStats | None = None,
+    storage: dict[int, Any] | None = None,
+) -> Any:
+    """Run ``schedule.n_steps`` steps of ``step`` from ``state`` following ``schedule``.
+
+    The executor behind :func:`deepsolve.unroll` (which documents the arguments); it knows
+    nothing of budgets or files. ``schedule`` is any :class:`~deepsolve.schedules.Schedule`.
+    ``storage`` maps a storage level >= 1 to a backend with ``put(key, tensors)``,
+    ``get(key, meta)``, ``drop(key)`` and ``close()`` (default: :class:`HostStorage`); the
+    executor closes every backend when the reverse sweep ends, when the forward sweep fails,
+    and when the unroll's graph is freed without a backward.
+    """
+    n_steps = schedule.n_steps
+    x0, spec = _flatten_state(state)
+    sched = schedule
+    fn = _Step(step, spec, x0, has_output)
+    state_bytes = sum(t.numel() * t.element_size() for t in x0)
+    if stats is not None:
+        stats.n_steps = n_steps
+        stats.schedule = repr(sched)
+        stats.state_bytes = state_bytes
+    if n_steps == 0:
+        return state
+    explicit = list(params or [])
+    for k, p in enumerate(explicit):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"unroll: params[{k}] is a {type(p).__name__}, not a tensor")
+
+    grad_on = torch.is_grad_enabled()
+    if not grad_on or sched.kind == "store_all":
+        return _plain_loop(fn, x0, n_steps, spec, grad_on, stats)
+
+    cuda = _devices(x0 + explicit)
+    ex = _Executor(fn, sched, n_steps, len(x0), preserve_rng, stats, cuda, _autocast_state(),
+                   storage)
+    try:
+        x_in, y, out = ex.forward(x0)
+    except BaseException:
+        ex.release()
+        raise
+    weakref.finalize(ex, _close_all, list(ex.storage.values()))
+    params = explicit + _discover(step, y, out, explicit, x_in, ex.marker)
+    params = [p for p in params if p.requires_grad]
+    if not params and not any(t.requires_grad for t in x0):  # nothing to differentiate
+        res = (*ex.final, *ex.outs)
+        ex.release()
+    else:
+        ex.params = params
+        if stats is not None:
+            stats.extra["params"] = len(params)
+        res = _UnrollFunction.apply(ex, *x0, *params)
+    final = _unflatten(res[:len(x0)], spec)
+    if not fn.has_output:
+        return final
+    return final, pytree.tree_unflatten(list(res[len(x0):]), fn.out_spec)
+
+
+def _close_all(backends) -> None:
+    for b in backends:
+        b.close()
+
+
+def _discover(step, y, out, explicit, x_in, marker) -> list[torch.Tensor]:
+    """Tensors requiring grad that the step uses: from the graph of the last recorded step,
+    plus the parameters of the module the step is or is a method of."""
+    stop = {}
+    for p in explicit:
+        node = p.grad_fn if p.grad_fn is not None else (
+            torch.autograd.graph.get_gradient_edge(p).node if p.requires_grad else None)
+        if node is not None:
+            stop[node] = p
+    ids = {id(t) for t in x_in} | {id(p) for p in explicit}
+    found = _graph_leaves([t for t in (*y, *out) if t.requires_grad], stop, marker, ids)
+    owner = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        found.extend(p for p in owner.parameters() if id(p) not in ids)
+    return list({id(p): p for p in found}.values())
+
+
+def _plain_loop(fn: _Step, x0: list[torch.Tensor], n: int, spec, grad_on: bool,
+                stats: UnrollStats | None):
+    """The plain loop: under no_grad, or store_all (autograd keeps the whole graph)."""
+    t0 = time.perf_counter()
+    cur = x0
+    outs = []
+    for i in range(n):
+        if i == 0:
+            cur, out = fn.first(cur, 0)
+        else:
+            cur, out = fn(cur, i)
+            fn.fast_check(cur, i)
+        if fn.has_output:
+            outs.append(out)
+    if stats is not None:
+        stats.forward_time = time.perf_counter() - t0
+        if grad_on:
+            stats.recorded = n
+        else:
+            stats.advances = n
+    final = _unflatten(cur, spec)
+    if not fn.has_output:
+        return final
+    stacked = [torch.stack(col) for col in zip(*outs, strict=True)] if outs else []
+    return final, pytree.tree_unflatten(stacked, fn.out_spec)

@@ -1,0 +1,90 @@
+"""Memory budgets: ``2GiB``, ``"512 MB"``, ``80%`` of the device, or plain bytes."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+__all__ = ["BudgetError", "parse_budget", "device_capacity", "format_bytes"]
+
+
+class BudgetError(ValueError):
+    """No schedule fits the memory budget; the message states the minimum that would."""
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
+
+
+def device_capacity(device: torch.device | str | None = None) -> int:
+    """Bytes available to a budget given as a percentage.
+
+    CUDA: free memory reported by ``torch.cuda.mem_get_info`` (what other processes and the
+    caching allocator leave). CPU: ``MemAvailable`` from /proc/meminfo (or total RAM from
+    ``os.sysconf`` where /proc is missing).
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def parse_budget(budget: int | float | str, device: torch.device | str | None = None) -> int:
+    """Bytes from a budget: an int (bytes), ``"512MiB"``, ``"2GB"``, ``"12 GiB"``, ``"80%"``.
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers
+    of 1024; a percentage is of :func:`device_capacity` of ``device``.
+    """
+    if isinstance(budget, bool):
+        raise ValueError(f"budget must be bytes or a string such as '2GiB' or '80%', "
+                         f"got {budget!r}")
+    if isinstance(budget, (int, float)):
+        if budget <= 0 or budget != budget:
+            raise ValueError(f"budget must be positive, got {budget!r}")
+        return int(budget)
+    if not isinstance(budget, str):
+        raise ValueError(f"budget must be bytes or a string such as '2GiB' or '80%', "
+                         f"got {type(budget).__name__}")
+    m = _PATTERN.match(budget)
+    if not m:
+        raise ValueError(f"cannot read the budget {budget!r}: write a number with a unit, "
+                         "such as '512MiB', '2GB', '12 GiB' or '80%'")
+    value, unit = float(m.group(1)), m.group(2)
+    if unit == "%":
+        if not 0 < value <= 100:
+            raise ValueError(f"a percentage budget must be in (0, 100], got {budget!r}")
+        return int(device_capacity(device) * value / 100)
+    factor = _UNITS.get(unit.lower())
+    if factor is None:
+        raise ValueError(f"unknown unit {unit!r} in budget {budget!r}; use B, kB, MB, GB, "
+                         "KiB, MiB, GiB or %")
+    nbytes = int(value * factor)
+    if nbytes <= 0:
+        raise ValueError(f"budget must be positive, got {budget!r}")
+    return nbytes
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.50 KiB'``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover

@@ -1,0 +1,130 @@
+"""Peak-memory meters for CUDA and CPU.
+
+``with MemoryMeter(device, stats=s) as m: ...`` measures what the code inside adds at its
+peak:
+
+* ``m.cuda_peak`` — on CUDA, ``torch.cuda.max_memory_allocated`` above the allocation on
+  entry (reset on entry);
+* ``m.host_peak`` — the process high-water mark (``VmHWM``) above the resident size on entry,
+  after resetting the mark through /proc/self/clear_refs where the kernel allows
+  (``m.host_reset`` says whether it could);
+* ``m.tracked_peak`` — the bytes deepsolve itself holds: tensors saved for backward (unique
+  storages, not counting leaves that require grad — the caller's parameters and inputs),
+  device snapshots (from the :class:`~deepsolve.UnrollStats` passed as ``stats``, updated by
+  the executor) and stacked outputs. This is the CPU measure the budget is checked against.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["MemoryMeter", "host_high_water_mark"]
+
+
+def _status(key: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return 0
+
+
+def host_high_water_mark() -> int:
+    """The process's peak resident set size in bytes (VmHWM), 0 where unavailable."""
+    return _status("VmHWM:")
+
+
+class MemoryMeter:
+    """See the module docstring."""
+
+    def __init__(self, device: torch.device | str | None = None, stats=None,
+                 extra_bytes: int = 0):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.stats = stats
+        self.extra = extra_bytes
+        self.saved_live = 0
+        self.saved_peak = 0
+        self.tracked_peak = 0
+        self.cuda_peak = 0
+        self.host_peak = 0
+        self.host_reset = False
+        self._storages: dict[int, list[int]] = {}
+
+    # saved-tensor hooks -----------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        if t.is_leaf and t.requires_grad:
+            return t
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        entry = self._storages.get(ptr)
+        if entry is None:
+            self._storages[ptr] = [1, st.nbytes()]
+            self.saved_live += st.nbytes()
+            self._sample()
+        else:
+            entry[0] += 1
+        box = _Saved(t)
+        weakref.finalize(box, self._release, ptr)
+        return box
+
+    def _release(self, ptr: int) -> None:
+        entry = self._storages.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] <= 0:
+            del self._storages[ptr]
+            self.saved_live -= entry[1]
+
+    @staticmethod
+    def _unpack(box):
+        return box if isinstance(box, torch.Tensor) else box.t
+
+    def _sample(self) -> None:
+        snaps = self.stats.snapshot_bytes_peak if self.stats is not None else 0
+        total = self.saved_live + snaps + self.extra
+        if total > self.tracked_peak:
+            self.tracked_peak = total
+        if self.saved_live > self.saved_peak:
+            self.saved_peak = self.saved_live
+
+    # context ----------------------------------------------------------------------------
+    def __enter__(self) -> MemoryMeter:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._cuda_base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.host_reset = True
+        except OSError:
+            self.host_reset = False
+        self._host_base = _status("VmRSS:")
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._sample()
+        if self.stats is not None:
+            self.tracked_peak = max(self.tracked_peak,
+                                    self.stats.snapshot_bytes_peak + self.extra)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.cuda_peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
+        hwm = _status("VmHWM:")
+        self.host_peak = hwm - self._host_base if self.host_reset else hwm
+
+
+class _Saved:
+    __slots__ = ("t", "__weakref__")
+
+    def __init__(self, t):
+        self.t = t

@@ -1,0 +1,194 @@
+"""Measure one step: the sizes and times the planner weighs.
+
+``profile_step(step, state)`` runs the step a few times and returns a :class:`StepProfile`:
+
+* ``state_bytes`` S — one state;
+* ``tape_bytes`` T — what one *recorded* step keeps for its backward beyond its input state
+  and the parameters (unique storages packed by ``torch.autograd.graph.saved_tensors_hooks``);
+* ``output_bytes`` O — one step's per-step output (the unroll stacks ``n`` of them);
+* ``grad_bytes`` P — gradient accumulators for the parameters the step uses;
+* ``scratch_bytes`` — on CUDA, the transient peak of a recorded step and its backward beyond
+  the above (``torch.cuda.max_memory_allocated``); on CPU 0 (the allocator is not observable);
+* ``t_advance``, ``t_record``, ``t_backward`` — seconds for an unrecorded step, a recorded
+  step, and the backward of a recorded step (medians).
+
+Profiles are cached per (step, state shapes, dtypes, device) so a training loop that calls
+``unroll(..., budget=...)`` every iteration profiles once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Measured sizes [bytes] and times [s] of one step; see the module docstring."""
+
+    state_bytes: int
+    tape_bytes: int
+    output_bytes: int
+    grad_bytes: int
+    scratch_bytes: int
+    t_advance: float
+    t_record: float
+    t_backward: float
+    device: str
+
+    @property
+    def working_bytes(self) -> int:
+        """Fixed overhead of the reverse sweep beyond snapshots and the tape: the working
+        state, two adjoints, the parameter gradients and the measured scratch."""
+        return 3 * self.state_bytes + self.grad_bytes + self.scratch_bytes
+
+
+_cache: dict[tuple, tuple[Any, StepProfile]] = {}
+
+
+def clear_profile_cache() -> None:
+    """Forget all cached profiles (e.g. after changing what a step closes over)."""
+    _cache.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _call(step, leaves, spec, i):
+    state = leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
+    res = step(state, i)
+    if isinstance(res, tuple) and len(res) == 2 and not _same(res, spec) and _same(res[0], spec):
+        nxt, out = res
+    else:
+        nxt, out = res, ()
+    return pytree.tree_leaves(nxt), [o for o in pytree.tree_leaves(out)
+                                     if isinstance(o, torch.Tensor)]
+
+
+def _same(x, spec) -> bool:
+    if spec is None:
+        return isinstance(x, torch.Tensor)
+    try:
+        return pytree.tree_structure(x) == spec
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _key(step, leaves) -> tuple:
+    fn = getattr(step, "__func__", step)
+    owner = getattr(step, "__self__", None)
+    return (id(fn), id(owner), tuple((tuple(t.shape), t.dtype, str(t.device)) for t in leaves))
+
+
+def profile_step(step, state, *, params: list[torch.Tensor] | None = None, repeats: int = 3,
+                 cache: bool = True) -> StepProfile:
+    """Measure ``step`` on ``state`` (see :class:`StepProfile`). Runs the step
+    ``1 + 2 * repeats`` times; the first call is a warm-up."""
+    if isinstance(state, torch.Tensor):
+        leaves, spec = [state], None
+    else:
+        leaves, spec = pytree.tree_flatten(state)
+    key = _key(step, leaves)
+    if cache and key in _cache:
+        ref, prof = _cache[key]
+        if ref() is (getattr(step, "__func__", step)):
+            return prof
+    device = leaves[0].device
+    cuda = device.type == "cuda"
+    x = [t.detach() for t in leaves]
+    with torch.no_grad():
+        _call(step, x, spec, 0)  # warm-up
+        t_adv = []
+        for _ in range(repeats):
+            _sync(cuda)
+            t0 = time.perf_counter()
+            _call(step, x, spec, 0)
+            _sync(cuda)
+            t_adv.append(time.perf_counter() - t0)
+
+    state_bytes = sum(_nbytes(t) for t in x)
+    t_rec, t_bwd = [], []
+    tape_bytes = out_bytes = grad_bytes = scratch = 0
+    for r in range(repeats):
+        x_in = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in x]
+        skip = {t.untyped_storage().data_ptr() for t in x_in}
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen, skip=skip):
+            if not (t.is_leaf and t.requires_grad):  # inputs and parameters are not the tape's
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in skip:
+                    seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+            return t
+
+        if cuda:
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, out = _call(step, x_in, spec, 0)
+        _sync(cuda)
+        t1 = time.perf_counter()
+        roots = [t for t in (*y, *out) if t.requires_grad]
+        in_ids = {id(t) for t in x_in}
+        found = [p for p in (_leaves_of(roots) if params is None else list(params))
+                 if id(p) not in in_ids]
+        inputs = [t for t in x_in if t.requires_grad] + [p for p in found if p.requires_grad]
+        if roots and inputs:
+            torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
+                                allow_unused=True)
+        _sync(cuda)
+        t2 = time.perf_counter()
+        t_rec.append(t1 - t0)
+        t_bwd.append(t2 - t1)
+        if r == 0:
+            tape_bytes = sum(seen.values())
+            out_bytes = sum(_nbytes(o) for o in out)
+            grad_bytes = sum(_nbytes(p) for p in found if p.requires_grad)
+            if cuda:
+                peak = torch.cuda.max_memory_allocated(device) - base
+                scratch = max(0, peak - tape_bytes - 3 * state_bytes - grad_bytes)
+        del y, out, roots
+    prof = StepProfile(
+        state_bytes=state_bytes, tape_bytes=tape_bytes, output_bytes=out_bytes,
+        grad_bytes=grad_bytes, scratch_bytes=scratch,
+        t_advance=statistics.median(t_adv), t_record=statistics.median(t_rec),
+        t_backward=statistics.median(t_bwd), device=str(device),
+    )
+    if cache:
+        try:
+            _cache[key] = (weakref.ref(getattr(step, "__func__", step)), prof)
+        except TypeError:  # not weakly referenceable: do not cache
+            pass
+    return prof
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _leaves_of(roots) -> list[torch.Tensor]:
+    found, seen = {}, set()
+    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:
+            found[id(var)] = var
+            continue
+        todo.extend(f for f, _ in node.next_functions)
+    return list(found.values())

@@ -1,0 +1,183 @@
+"""Budgets pick the schedule: profile, planner, measured peak within budget, exact gradients."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import deepsolve
+from deepsolve import schedules as S
+from deepsolve.memory import BudgetError, choose, predicted_peak, profile_step
+from deepsolve.memory.meter import MemoryMeter
+from deepsolve.memory.offload import DiskStorage
+
+DT = torch.float64
+MiB = 2**20
+
+
+def make_step():
+    """A CPU step with a 4 MiB float64 state (2^15 x 16)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.tensor(0.9, dtype=DT))
+    net = nn.Linear(16, 16).to(DT)
+
+    def step(x, i):
+        return x + 0.01 * torch.tanh(net(torch.sin(w * x)))
+
+    x0 = torch.randn(2**15, 16, dtype=DT, requires_grad=True)
+    return step, x0, [w, *net.parameters()]
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_profile_measures_sizes_and_is_cached():
+    step, x0, params = make_step()
+    p = profile_step(step, x0)
+    assert p.state_bytes == 4 * MiB
+    # sin(w x) and linear's input and tanh's output are saved: three state-sized tensors
+    assert 2.5 * 4 * MiB <= p.tape_bytes <= 4.5 * 4 * MiB
+    assert p.grad_bytes == sum(q.numel() * 8 for q in params)
+    assert p.t_advance > 0 and p.t_record > 0 and p.t_backward > 0
+    assert profile_step(step, x0) is p  # cached per (step, shapes, dtype, device)
+    assert profile_step(step, x0[:100]) is not p
+
+
+N = 40
+
+
+@pytest.fixture(scope="module")
+def reference():
+    step, x0, params = make_step()
+    return torch.autograd.grad(deepsolve.unroll(step, x0, N, schedule="store_all").sum(),
+                               [x0, *params])
+
+
+@pytest.mark.parametrize("budget_mib", [700, 300, 120, 60, 36, 30])
+def test_budget_grid_tracked_peak_within_budget_and_exact(budget_mib, reference):
+    step, x0, params = make_step()
+    ref = reference
+    st = deepsolve.UnrollStats()
+    with MemoryMeter(stats=st) as m:
+        y = deepsolve.unroll(step, x0, N, budget=f"{budget_mib}MiB", stats=st)
+        g = torch.autograd.grad(y.sum(), [x0, *params])
+    plan = st.extra["plan"]
+    assert m.tracked_peak <= budget_mib * MiB
+    assert plan.predicted_peak <= budget_mib * MiB
+    assert m.tracked_peak <= plan.predicted_peak  # the model covers what is tracked
+    for a, b in zip(g, ref, strict=True):
+        assert rel(a, b) <= 1e-10
+    if plan.kind == "revolve":
+        assert st.advances == S.optimal_cost(N, plan.snapshots)
+        # the budget is put to use: one more snapshot would not fit
+        assert predicted_peak(plan.profile, N, "revolve", plan.snapshots + 1) > \
+            budget_mib * MiB or plan.snapshots == N - 1
+
+
+def test_store_all_chosen_when_it_fits():
+    step, x0, params = make_step()
+    p = deepsolve.plan(step, x0, 10, budget="2GiB")
+    assert p.kind == "store_all" and p.predicted_time == 1.0
+    assert "store_all" in p.explain() and "chosen: store_all" in p.explain()
+    p = deepsolve.plan(step, x0, 10, budget="100MiB")
+    assert p.kind == "revolve" and p.predicted_peak <= 100 * MiB
+
+
+def test_budget_error_below_one_recorded_step():
+    step, x0, params = make_step()
+    prof = profile_step(step, x0)
+    with pytest.raises(BudgetError, match=r"below the minimum .* one recorded step takes"):
+        deepsolve.unroll(step, x0, N, budget=prof.tape_bytes // 2)
+    with pytest.raises(ValueError, match="minimum"):
+        deepsolve.plan(step, x0, N, budget="1MiB")
+
+
+def test_more_budget_never_slower():
+    step, x0, params = make_step()
+    prof = profile_step(step, x0)
+    times = [choose(prof, 500, b * MiB).predicted_time for b in (30, 60, 120, 500, 4000)]
+    assert times == sorted(times, reverse=True)
+
+
+def test_budget_and_snapshots_are_exclusive():
+    step, x0, _ = make_step()
+    with pytest.raises(ValueError, match="not both"):
+        deepsolve.unroll(step, x0, 5, budget="1GiB", snapshots=3)
+
+
+def test_disk_level_exact_and_leaves_no_files(tmp_path):
+    """A two-level schedule with a disk level: exact gradients, spill directory removed."""
+    step, x0, params = make_step()
+    n = 12
+    ref = torch.autograd.grad(deepsolve.unroll(step, x0, n, schedule="store_all").sum(),
+                              [x0, *params])
+    # a hand-made two-level schedule: snapshots alternate between RAM and disk
+    sched = _alternating_two_level(n)
+    S.check(sched)
+    disk = DiskStorage(tmp_path)
+    y = deepsolve.executor.execute(step, x0, sched, storage={1: disk})
+    assert os.listdir(tmp_path)  # the spill directory exists during the unroll
+    g = torch.autograd.grad(y.sum(), [x0, *params])
+    for a, b in zip(g, ref, strict=True):
+        assert rel(a, b) <= 1e-10
+    assert disk.bytes_written > 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_disk_level_cleaned_when_step_raises(tmp_path):
+    step, x0, params = make_step()
+    calls = {"n": 0}
+
+    def failing(x, i):
+        calls["n"] += 1
+        if calls["n"] > 8:
+            raise RuntimeError("solver diverged")
+        return step(x, i)
+
+    disk = DiskStorage(tmp_path)
+    with pytest.raises(RuntimeError, match="diverged"):
+        deepsolve.executor.execute(failing, x0, _alternating_two_level(12), storage={1: disk})
+    assert os.listdir(tmp_path) == []
+    calls["n"] = -1000  # forward succeeds, backward fails
+    disk = DiskStorage(tmp_path)
+    y = deepsolve.executor.execute(failing, x0, _alternating_two_level(12), storage={1: disk})
+    calls["n"] = 10**6
+    with pytest.raises(RuntimeError, match="diverged"):
+        y.sum().backward()
+    assert os.listdir(tmp_path) == []
+
+
+class _Alternating(S.Schedule):
+    """Store every other state, alternating RAM and disk; reverse from the nearest one."""
+
+    kind = "alternating"
+
+    def __init__(self, n):
+        self.n_steps = n
+        self.slots = {0: n, 1: n}
+
+    def __iter__(self):
+        n = self.n_steps
+        held = []
+        for i in range(0, n - 1, 2):
+            lv = (i // 2) % 2
+            yield S.Store(i // 2, i, lv)
+            held.append((i // 2, i, lv))
+            yield S.Advance(i, min(i + 2, n - 1))
+        for j in range(n - 1, -1, -1):
+            slot, a, lv = max((h for h in held if h[1] <= j), key=lambda h: h[1])
+            yield S.Restore(slot, a, lv)
+            if j > a:
+                yield S.Advance(a, j)
+            yield S.Reverse(j)
+            if j == a:
+                yield S.Free(slot, a, lv)
+                held.remove((slot, a, lv))
+
+
+def _alternating_two_level(n):
+    return _Alternating(n)
