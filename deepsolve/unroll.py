@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from .executor import UnrollStats, execute
+from .executor import HostStorage, UnrollStats, execute
+from .memory.offload import DiskStorage
 from .memory.planner import plan as make_plan
 from .schedules import Schedule, periodic, revolve, store_all
 
@@ -53,6 +54,8 @@ def unroll(
     snapshots: int | None = None,
     schedule: str | Schedule | None = None,
     budget: int | str | None = None,
+    offload: str | None = None,
+    spill_dir: str | None = None,
     params: Sequence[torch.Tensor] | None = None,
     has_output: bool | None = None,
     preserve_rng: bool = True,
@@ -79,6 +82,10 @@ def unroll(
             or ``"80%"`` of the device's free memory. The step is profiled once (cached) and
             the planner picks the fastest schedule that fits (:func:`deepsolve.plan`);
             :class:`deepsolve.BudgetError` says the minimum when nothing fits.
+        offload: with ``budget``, let the planner also weigh a cost-aware two-level schedule
+            that keeps some snapshots in pinned host memory (``"host"``, for CUDA) or in
+            files under ``spill_dir`` (``"disk"``, for CPU-only machines; removed afterwards,
+            also on error). Chosen only when it is predicted to be faster.
         params: tensors the step uses whose gradients are wanted, beyond those found
             automatically. Leaf tensors that require grad (module parameters, closed-over
             leaves) are discovered from the graph of the last step, which the forward sweep
@@ -99,17 +106,23 @@ def unroll(
     """
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
         raise ValueError(f"unroll: n_steps must be an integer >= 0, got {n_steps!r}")
+    storage = None
     if budget is not None:
         if snapshots is not None or schedule is not None:
             raise ValueError("unroll: give budget= or snapshots=/schedule=, not both")
         if n_steps == 0 or not torch.is_grad_enabled():
             sched = store_all(n_steps)
         else:
-            p = make_plan(step, state, n_steps, budget=budget, params=params)
+            p = make_plan(step, state, n_steps, budget=budget, params=params, offload=offload,
+                          spill_dir=spill_dir)
             sched = p.schedule
+            if p.kind == "two_level":
+                storage = {1: HostStorage() if offload == "host" else DiskStorage(spill_dir)}
             if stats is not None:
                 stats.extra["plan"] = p
+    elif offload is not None:
+        raise ValueError("unroll: offload= works with budget=, which lets the planner weigh it")
     else:
         sched = _resolve_schedule(schedule, snapshots, n_steps)
     return execute(step, state, sched, params=params, has_output=has_output,
-                   preserve_rng=preserve_rng, stats=stats)
+                   preserve_rng=preserve_rng, stats=stats, storage=storage)

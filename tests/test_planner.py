@@ -181,3 +181,38 @@ class _Alternating(S.Schedule):
 
 def _alternating_two_level(n):
     return _Alternating(n)
+
+
+def test_two_level_weighed_by_io_cost():
+    from deepsolve.memory.planner import SlowLevel
+
+    step, x0, _ = make_step()
+    prof = profile_step(step, x0)
+    budget = 40 * MiB
+    cheap = choose(prof, 200, budget, SlowLevel("disk", 100, prof.t_advance * 1e-3,
+                                                prof.t_advance * 1e-3))
+    assert cheap.kind == "two_level" and cheap.predicted_peak <= budget
+    S.check(cheap.schedule)
+    assert "two_level" in cheap.explain() and "revolve" in cheap.explain()
+    dear = choose(prof, 200, budget, SlowLevel("disk", 100, prof.t_advance * 1e4,
+                                               prof.t_advance * 1e4))
+    assert dear.kind == "revolve"
+    assert cheap.predicted_time < dear.predicted_time
+
+
+def test_unroll_with_disk_offload_exact_and_clean(tmp_path, monkeypatch, reference):
+    import deepsolve.memory.planner as planner
+
+    step, x0, params = make_step()
+    fast = planner.SlowLevel("disk", 50, 1e-6, 1e-6, str(tmp_path))
+    monkeypatch.setattr(planner, "measure_level", lambda *a, **k: fast)
+    st = deepsolve.UnrollStats()
+    y = deepsolve.unroll(step, x0, N, budget="30MiB", offload="disk", spill_dir=str(tmp_path),
+                         stats=st)
+    assert st.extra["plan"].kind == "two_level"
+    g = torch.autograd.grad(y.sum(), [x0, *params])
+    for a, b in zip(g, reference, strict=True):
+        assert rel(a, b) <= 1e-10
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="offload= works with budget="):
+        deepsolve.unroll(step, x0, N, offload="disk")

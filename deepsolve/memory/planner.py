@@ -22,11 +22,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..schedules import Schedule, optimal_cost, revolve, store_all
+from ..schedules import (
+    Schedule,
+    mixed,
+    mixed_cost,
+    optimal_cost,
+    revolve,
+    store_all,
+    two_level,
+    two_level_cost,
+)
 from .budget import BudgetError, format_bytes
 from .profiling import StepProfile
 
-__all__ = ["Plan", "Alternative", "plan", "choose", "predicted_peak"]
+__all__ = ["Plan", "Alternative", "SlowLevel", "plan", "choose", "predicted_peak",
+           "measure_level"]
 
 
 @dataclass
@@ -69,6 +79,7 @@ class Plan:
     profile: StepProfile
     alternatives: list[Alternative] = field(default_factory=list)
     reason: str = ""
+    label: str = ""
 
     def explain(self) -> str:
         """A short table of the alternatives weighed and why this plan was chosen."""
@@ -93,6 +104,8 @@ class Plan:
         return "\n".join(lines)
 
     def describe(self) -> str:
+        if self.label:
+            return self.label
         if self.kind == "store_all":
             return "store_all"
         if self.kind == "revolve":
@@ -121,8 +134,27 @@ def _time(profile: StepProfile, n: int, advances: float, io: float = 0.0) -> flo
     return (advances * p.t_advance + plain + io) / plain
 
 
-def choose(profile: StepProfile, n_steps: int, budget: int) -> Plan:
-    """The fastest schedule whose predicted peak fits ``budget`` (bytes)."""
+@dataclass(frozen=True)
+class SlowLevel:
+    """A second storage level the planner may use: its slot count and the seconds one state
+    takes to write and to read back (measured by :func:`measure_level`)."""
+
+    kind: str          # "host" or "disk"
+    slots: int
+    t_write: float
+    t_read: float
+    spill_dir: str | None = None
+
+
+_MAX_SLOW_SLOTS = 32  # planning time of the two-level DP grows with n x slow slots
+_MAX_MIXED_TABLE = 400_000  # n x units entries of the mixed DP (about 2 s per 1e5)
+_MIXED_TAPE_RATIO = 2  # weigh mixed checkpointing when a tape is at most this many states
+
+
+def choose(profile: StepProfile, n_steps: int, budget: int,
+           slow: SlowLevel | None = None) -> Plan:
+    """The fastest schedule whose predicted peak fits ``budget`` (bytes); with ``slow``, a
+    cost-aware two-level schedule is weighed too."""
     p, n = profile, n_steps
     alts: list[Alternative] = []
     peak_all = predicted_peak(p, n, "store_all")
@@ -159,15 +191,64 @@ def choose(profile: StepProfile, n_steps: int, budget: int) -> Plan:
     t_rev = _time(p, n, adv)
     alts.append(Alternative(f"revolve(s={s_rev})", predicted_peak(p, n, "revolve", s_rev),
                             t_rev, True, f"{adv} recomputed steps, the most slots that fit"))
-    sched = revolve(n, s_rev)
-    return Plan("revolve", sched, n, s_rev, budget, predicted_peak(p, n, "revolve", s_rev),
-                t_rev, (adv + n) / n, p, alts,
+    best = Plan("revolve", revolve(n, s_rev), n, s_rev, budget,
+                predicted_peak(p, n, "revolve", s_rev), t_rev, (adv + n) / n, p, alts,
                 "store_all does not fit; revolve with the most snapshots that fit")
+    tape_units = -(-p.tape_bytes // max(p.state_bytes, 1))
+    if adv > n - 1 and tape_units <= _MIXED_TAPE_RATIO and p.state_bytes > 0:
+        # a slot may hold a recorded step instead of a state (Maddison's mixed checkpointing);
+        # u units of S bytes, the transient tape of the step being reversed on top
+        units = int((budget - predicted_peak(p, n, "mixed", 0)) // p.state_bytes)
+        units = min(units, 2 * n)
+        if units >= 1 and n * units <= _MAX_MIXED_TABLE:
+            try:
+                evals = mixed_cost(n, units, tape_units=tape_units)
+            except ValueError:
+                evals = None
+            if evals is not None:
+                t_mix = _time(p, n, evals - n)
+                name = f"mixed(units={units}, tape={tape_units} states)"
+                peak = predicted_peak(p, n, "mixed", units)
+                alts.append(Alternative(name, peak, t_mix, True,
+                                        f"{evals - n} extra evaluations; a slot holds a "
+                                        "state or a recorded step"))
+                if t_mix < 0.98 * best.predicted_time:
+                    best = Plan("mixed", mixed(n, units, tape_units=tape_units), n, units,
+                                budget, peak, t_mix, evals / n, p, alts,
+                                "a recorded step costs about a state here, so keeping some "
+                                "recorded steps (mixed checkpointing) saves recomputation",
+                                label=name)
+    if slow is not None and slow.slots > 0 and adv > n - 1 and p.t_advance > 0:
+        m = min(slow.slots, n, _MAX_SLOW_SLOTS)
+        unit = p.t_advance  # costs in units of one unrecorded step
+        kw = dict(write_cost=slow.t_write / unit, read_cost=slow.t_read / unit,
+                  forward_cost=1.0, backward_cost=(p.t_record + p.t_backward) / unit - 1.0)
+        cost = two_level_cost(n, s_rev, m, **kw)
+        rev_cost = two_level_cost(n, s_rev, 0, **kw)
+        t_two = t_rev * cost / rev_cost if rev_cost else t_rev
+        name = f"two_level(s={s_rev}, {slow.kind}={m})"
+        peak = predicted_peak(p, n, "two_level", s_rev)
+        note = (f"write {slow.t_write * 1e3:.3g} ms, read {slow.t_read * 1e3:.3g} ms "
+                f"per state on {slow.kind}")
+        alts.append(Alternative(name, peak, t_two, True, note))
+        if t_two < 0.98 * t_rev:
+            sched = two_level(n, s_rev, m, **kw)
+            return Plan("two_level", sched, n, s_rev, budget, peak, t_two,
+                        t_two / max(t_rev, 1e-300) * best.recompute_factor, p, alts,
+                        f"a second level on {slow.kind} saves recomputation at its I/O cost",
+                        label=name)
+        best.reason += f"; the {slow.kind} level does not pay for its I/O"
+    return best
 
 
-def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=None) -> Plan:
+def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=None,
+         offload: str | None = None, spill_dir: str | None = None) -> Plan:
     """Profile ``step`` on ``state`` (cached) and choose the fastest schedule for ``n_steps``
     steps whose predicted peak fits ``budget`` (bytes, ``"2GiB"``, ``"80%"``).
+
+    ``offload="host"`` (pinned host memory, for CUDA states) or ``"disk"`` (files under
+    ``spill_dir``, for CPU-only machines) lets the planner weigh a cost-aware two-level
+    schedule whose write/read costs are measured on a state-sized copy.
 
     Raises :class:`~deepsolve.BudgetError` (a ``ValueError``) with the minimum budget when no
     schedule fits. ``Plan.explain()`` prints the alternatives weighed.
@@ -183,4 +264,53 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     dev = device if device is not None else (leaves[0].device if leaves else None)
     nbytes = parse_budget(budget, dev)
     prof = profile_step(step, state, params=params)
-    return choose(prof, n_steps, nbytes)
+    slow = measure_level(offload, leaves, spill_dir) if offload else None
+    return choose(prof, n_steps, nbytes, slow)
+
+
+_level_cache: dict = {}
+
+
+def measure_level(kind: str, leaves, spill_dir: str | None = None) -> SlowLevel:
+    """Time writing and reading one state to host memory or a spill directory, and count
+    how many states fit there (half of the available RAM or free disk space)."""
+    import os
+    import shutil
+    import time
+
+    import torch
+
+    from ..executor import HostStorage
+    from .budget import device_capacity
+    from .offload import DiskStorage
+
+    if kind not in ("host", "disk"):
+        raise ValueError(f"offload must be 'host' or 'disk', got {kind!r}")
+    nbytes = sum(t.numel() * t.element_size() for t in leaves)
+    key = (kind, nbytes, spill_dir, tuple(str(t.device) for t in leaves))
+    if key in _level_cache:
+        return _level_cache[key]
+    store = HostStorage() if kind == "host" else DiskStorage(spill_dir)
+    meta = [(t.shape, t.dtype, t.device) for t in leaves]
+    data = [t.detach() for t in leaves]
+    try:
+        writes, reads = [], []
+        for r in range(3):
+            t0 = time.perf_counter()
+            store.put((1, r), data)
+            if data and data[0].device.type == "cuda":
+                torch.cuda.synchronize()
+            writes.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            store.get((1, r), meta)
+            if data and data[0].device.type == "cuda":
+                torch.cuda.synchronize()
+            reads.append(time.perf_counter() - t0)
+        room = (device_capacity("cpu") if kind == "host"
+                else shutil.disk_usage(spill_dir or os.path.dirname(store.dir)).free) // 2
+    finally:
+        store.close()
+    level = SlowLevel(kind, int(room // max(nbytes, 1)), sorted(writes)[1], sorted(reads)[1],
+                      spill_dir)
+    _level_cache[key] = level
+    return level

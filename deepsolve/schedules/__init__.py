@@ -16,12 +16,15 @@ from .base import Schedule
 from .basic import Periodic, StoreAll, periodic, store_all
 from .check import LevelCounts, ScheduleError, ScheduleStats, check, stats
 from .cost import beta, optimal_cost, repetitions
+from .mixed import Mixed, mixed, mixed_cost, peak_units
 from .revolve import Revolve, revolve
+from .two_level import TwoLevel, makespan, two_level, two_level_cost
 
 __all__ = [
     "Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse",
-    "Schedule", "Revolve", "StoreAll", "Periodic",
-    "revolve", "store_all", "periodic",
+    "Schedule", "Revolve", "StoreAll", "Periodic", "TwoLevel", "Mixed",
+    "revolve", "store_all", "periodic", "two_level", "two_level_cost", "makespan",
+    "mixed", "mixed_cost", "peak_units",
     "optimal_cost", "repetitions", "beta",
     "check", "stats", "ScheduleStats", "ScheduleError", "LevelCounts",
 ]
