@@ -216,3 +216,36 @@ def test_unroll_with_disk_offload_exact_and_clean(tmp_path, monkeypatch, referen
     assert os.listdir(tmp_path) == []
     with pytest.raises(ValueError, match="offload= works with budget="):
         deepsolve.unroll(step, x0, N, offload="disk")
+
+
+def test_budget_between_revolve_and_store_all_keeps_a_recorded_tail():
+    """A step whose recorded step is many states (T ~ 12 S): budgets between revolve's needs
+    and store-all keep the last steps recorded, and the budget is put to use."""
+    torch.manual_seed(1)
+    lin = nn.Linear(8, 8).to(DT)
+
+    def deep(x, i):  # twelve layers: every one saves a state-sized activation
+        for _ in range(12):
+            x = torch.tanh(lin(x))
+        return x
+
+    x0 = torch.randn(4096, 8, dtype=DT, requires_grad=True)
+    prof = profile_step(deep, x0)
+    assert prof.tape_bytes >= 10 * prof.state_bytes
+    n = 100
+    full = predicted_peak(prof, n, "store_all")
+    for frac in (0.2, 0.5, 0.8):
+        p = choose(prof, n, int(full * frac))
+        assert p.kind == "revolve_tail", p.explain()
+        assert 0.85 * full * frac <= p.predicted_peak <= full * frac
+        st = S.check(p.schedule)
+        assert st.advances < S.optimal_cost(n, n - 1)  # fewer than one extra sweep
+    st = deepsolve.UnrollStats()
+    y = deepsolve.unroll(deep, x0, 30, budget=int(predicted_peak(prof, 30, "store_all") / 2),
+                         stats=st)
+    g = torch.autograd.grad(y.sum(), [x0, lin.weight])
+    ref = torch.autograd.grad(deepsolve.unroll(deep, x0, 30, schedule="store_all").sum(),
+                              [x0, lin.weight])
+    assert st.extra["plan"].kind == "revolve_tail"
+    for a, b in zip(g, ref, strict=True):
+        assert rel(a, b) <= 1e-10

@@ -195,3 +195,16 @@ def test_checker_catches_a_broken_revolve():
 def test_level_counts():
     c = S.LevelCounts({0: 3, 1: 4})
     assert c == 7 and c[0] == 3 and c[1] == 4 and c[2] == 0
+
+
+def test_revolve_tail_counts():
+    for n in range(0, 45):
+        for s in range(1, 6):
+            for m in range(0, n + 1):
+                st = S.check(S.revolve_tail(n, s, m))
+                expect = 0 if m >= n else S.optimal_cost(n - m + 1 if m else n, s)
+                assert st.advances == expect == S.revolve_tail_cost(n, s, m), (n, s, m)
+                assert st.recorded == n and int(st.peak_slots) <= s
+                assert st.peak_tapes == (m if n else 0)
+    with pytest.raises(ValueError, match="tail"):
+        S.revolve_tail(10, 2, 11)

@@ -163,7 +163,8 @@ N = 13
 @pytest.mark.parametrize("kw", [
     {"snapshots": 2}, {"snapshots": 3}, {"snapshots": 5}, {"snapshots": N},
     {"schedule": "store_all"}, {"schedule": "periodic"}, {"schedule": S.periodic(N, 4)},
-    {"snapshots": 1},
+    {"snapshots": 1}, {"schedule": S.revolve_tail(N, 3, 4)}, {"schedule": S.mixed(N, 4)},
+    {"schedule": S.two_level(N, 2, 3, write_cost=0.5, read_cost=0.5)},
 ], ids=lambda kw: "-".join(f"{k}={v!r}" for k, v in kw.items()))
 def test_gradients_equal_plain_autograd(name, kw):
     step, x0, params, loss = STEPS[name]()

@@ -9,6 +9,7 @@ parameter gradients P, measured scratch)::
     revolve(s)       (s - 1) S + T + W + n O      (x_0 is the caller's; one recorded step)
     mixed(u)         u S + T + W + n O            (u units hold states or kept tapes)
     two_level(s, m)  (s - 1) S + T + W + n O      (+ m states in host RAM or on disk)
+    revolve_tail(s, m) (s - 1) S + m T + W + n O  (the last m steps kept recorded)
 
 Time model, relative to one forward + backward of the plain unroll
 ``n (t_record + t_backward)``: a schedule costs ``advances * t_advance + n (t_record +
@@ -28,6 +29,8 @@ from ..schedules import (
     mixed_cost,
     optimal_cost,
     revolve,
+    revolve_tail,
+    revolve_tail_cost,
     store_all,
     two_level,
     two_level_cost,
@@ -55,7 +58,8 @@ class Plan:
     """The planner's choice and its predictions.
 
     Attributes:
-        kind: ``"store_all"``, ``"revolve"``, ``"mixed"`` or ``"two_level"``.
+        kind: ``"store_all"``, ``"revolve"``, ``"revolve_tail"``, ``"mixed"`` or
+            ``"two_level"``.
         schedule: the schedule object to execute.
         n_steps: chain length.
         snapshots: fast-memory slots (x_0 included), or ``None`` for store-all.
@@ -121,9 +125,32 @@ def predicted_peak(profile: StepProfile, n_steps: int, kind: str, slots: int = 0
         return n_steps * (p.tape_bytes + p.state_bytes) + p.working_bytes + outs
     if kind in ("revolve", "two_level"):
         return max(slots - 1, 0) * p.state_bytes + p.tape_bytes + p.working_bytes + outs
+    if kind == "revolve_tail":
+        s, m = slots
+        return max(s - 1, 0) * p.state_bytes + max(m, 1) * p.tape_bytes + p.working_bytes + outs
     if kind == "mixed":
         return slots * p.state_bytes + p.tape_bytes + p.working_bytes + outs
     raise ValueError(f"unknown schedule kind {kind!r}")
+
+
+def _best_tail(p: StepProfile, n: int, budget: int) -> tuple[int, int, int] | None:
+    """``(snapshots, tail, advances)`` of the fastest revolve-with-recorded-tail that fits,
+    or ``None`` when no tail of two steps or more fits."""
+    room = budget - p.working_bytes - n * p.output_bytes
+    if p.tape_bytes <= 0 or p.state_bytes <= 0 or room < 2 * p.tape_bytes:
+        return None
+    m_max = min(n, room // p.tape_bytes)
+    stride = max(1, m_max // 4000)  # scan at most ~4000 tail lengths
+    best = None
+    for m in list(range(2, m_max + 1, stride)) + [m_max]:
+        s = 1 + (room - m * p.tape_bytes) // p.state_bytes
+        if s < 1:
+            continue
+        s = int(min(s, max(n - m, 1)))
+        adv = revolve_tail_cost(n, s, m)
+        if best is None or adv < best[2] or (adv == best[2] and m < best[1]):
+            best = (s, m, adv)
+    return best
 
 
 def _time(profile: StepProfile, n: int, advances: float, io: float = 0.0) -> float:
@@ -194,6 +221,20 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
     best = Plan("revolve", revolve(n, s_rev), n, s_rev, budget,
                 predicted_peak(p, n, "revolve", s_rev), t_rev, (adv + n) / n, p, alts,
                 "store_all does not fit; revolve with the most snapshots that fit")
+    tail = _best_tail(p, n, budget)
+    if tail is not None:
+        s_t, m, adv_t = tail
+        t_tail = _time(p, n, adv_t)
+        name = f"revolve(s={s_t}) + {m} recorded steps"
+        peak = predicted_peak(p, n, "revolve_tail", (s_t, m))
+        alts.append(Alternative(name, peak, t_tail, True,
+                                f"{adv_t} recomputed steps; the last {m} steps are kept "
+                                "recorded from the forward sweep"))
+        if t_tail < best.predicted_time:
+            best = Plan("revolve_tail", revolve_tail(n, s_t, m), n, s_t, budget, peak, t_tail,
+                        (adv_t + n) / n, p, alts,
+                        "store_all does not fit; memory beyond the snapshots revolve needs "
+                        "keeps the last steps recorded", label=name)
     tape_units = -(-p.tape_bytes // max(p.state_bytes, 1))
     if adv > n - 1 and tape_units <= _MIXED_TAPE_RATIO and p.state_bytes > 0:
         # a slot may hold a recorded step instead of a state (Maddison's mixed checkpointing);

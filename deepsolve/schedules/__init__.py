@@ -18,13 +18,14 @@ from .check import LevelCounts, ScheduleError, ScheduleStats, check, stats
 from .cost import beta, optimal_cost, repetitions
 from .mixed import Mixed, mixed, mixed_cost, peak_units
 from .revolve import Revolve, revolve
+from .tail import RevolveTail, revolve_tail, revolve_tail_cost
 from .two_level import TwoLevel, makespan, two_level, two_level_cost
 
 __all__ = [
     "Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse",
     "Schedule", "Revolve", "StoreAll", "Periodic", "TwoLevel", "Mixed",
     "revolve", "store_all", "periodic", "two_level", "two_level_cost", "makespan",
-    "mixed", "mixed_cost", "peak_units",
+    "mixed", "mixed_cost", "peak_units", "RevolveTail", "revolve_tail", "revolve_tail_cost",
     "optimal_cost", "repetitions", "beta",
     "check", "stats", "ScheduleStats", "ScheduleError", "LevelCounts",
 ]
