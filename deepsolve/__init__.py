@@ -12,8 +12,12 @@ Public surface:
 
 from . import schedules
 from .memory import BudgetError, Plan, plan
+from .problem import Context, Problem
 from .unroll import UnrollStats, unroll
 
 __version__ = "0.1.0"
 
-__all__ = ["schedules", "unroll", "UnrollStats", "plan", "Plan", "BudgetError", "__version__"]
+__all__ = [
+    "schedules", "unroll", "UnrollStats", "plan", "Plan", "BudgetError", "Problem", "Context",
+    "__version__",
+]

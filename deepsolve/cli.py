@@ -22,8 +22,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from . import schedules as S
     from .schedules.diagram import png_diagram, summary, text_diagram
 
+    if args.problem:
+        from .train import plan_problem
+
+        if not args.budget:
+            raise ValueError("plan PROBLEM.py needs --budget (e.g. --budget 2GiB or 80%)")
+        overrides = {"steps": args.steps} if args.steps is not None else None
+        print(plan_problem(args.problem, budget=args.budget, sets=args.set,
+                           overrides=overrides).explain())
+        return 0
     if args.steps is None:
-        raise SystemExit("deepsolve plan: give --steps N (and --snapshots S)")
+        raise ValueError("give a problem file, or --steps N (and --snapshots S)")
     if args.schedule == "revolve":
         if args.snapshots is None:
             raise SystemExit("deepsolve plan: revolve needs --snapshots S (S >= 1)")
@@ -42,6 +51,33 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import PREEMPTED_EXIT_CODE, train
+
+    overrides = {k: getattr(args, k) for k in
+                 ("iterations", "steps", "budget", "snapshots", "device", "dtype", "seed", "lr")}
+    res = train(args.problem, overrides=overrides, sets=args.set, out=args.out,
+                resume=args.resume, quiet=args.quiet,
+                locking=False if args.no_file_locking else None)
+    if res.preempted:
+        print(f"stopped by a signal after iteration {res.iterations - 1}; restart file "
+              f"{res.restart_path}; continue with --resume", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    print(f"trained {res.iterations} iterations, final loss {res.final_loss:.4e}")
+    print(f"log: {res.log_path}")
+    print(f"restart file: {res.restart_path}")
+    print(f"summary and plots: python -m deepsolve report {res.run_dir}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from .io.report import report
+
+    print(report(args.run_dir, out_dir=args.out,
+                 locking=False if args.no_file_locking else None))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="deepsolve",
@@ -52,8 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     plan = sub.add_parser("plan", help="show a checkpoint schedule and its cost",
-                          description="Show a checkpoint schedule: its cost (advances, "
+                          description="With a problem file and --budget: the schedule the "
+                          "planner picks for the problem's unroll and the alternatives it "
+                          "weighed. With --steps/--snapshots: a schedule's cost (advances, "
                           "recompute factor, peak slots) and, with --show, its diagram.")
+    plan.add_argument("problem", nargs="?", help="problem file (problems/NAME.py)")
+    plan.add_argument("--budget", help="memory budget: bytes, 512MiB, 2GB, 12 GiB or 80%%")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a problem setting (repeatable)")
     plan.add_argument("--steps", type=_positive_int, help="number of steps N")
     plan.add_argument("--snapshots", type=_positive_int,
                       help="snapshot slots S, the initial state included")
@@ -65,6 +107,39 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print the diagram (time down, step index across; N <= 80)")
     plan.add_argument("--png", metavar="FILE", help="draw the diagram into FILE with matplotlib")
     plan.set_defaults(func=_cmd_plan)
+
+    tr = sub.add_parser("train", help="train a problem file",
+                        description="Train the problem defined in PROBLEM.py; writes "
+                        "RUN_DIR/log.h5 (HDF5 log, one row per iteration) and "
+                        "RUN_DIR/restart.pt (restart file).")
+    tr.add_argument("problem", help="problem file (problems/NAME.py)")
+    tr.add_argument("--iterations", type=_positive_int, help="optimiser iterations")
+    tr.add_argument("--steps", type=_positive_int, help="unroll length T")
+    tr.add_argument("--budget", help="memory budget for the unroll: 2GiB, 512MB or 80%%")
+    tr.add_argument("--snapshots", type=_positive_int,
+                    help="revolve snapshots when no budget is given")
+    tr.add_argument("--device", help="cpu, cuda or cuda:N")
+    tr.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"])
+    tr.add_argument("--seed", type=int)
+    tr.add_argument("--lr", type=float, help="learning rate")
+    tr.add_argument("--out", help="run directory (default runs/<problem name>)")
+    tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override any problem setting, typed by its default (repeatable)")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue from RUN_DIR/restart.pt, appending to the log")
+    tr.add_argument("--quiet", action="store_true", help="no progress bar")
+    tr.add_argument("--no-file-locking", action="store_true",
+                    help="open the HDF5 log without file locks (Lustre/GPFS/NFS)")
+    tr.set_defaults(func=_cmd_train)
+
+    rp = sub.add_parser("report", help="summarise a run and plot it",
+                        description="Print a summary of RUN_DIR/log.h5 and write loss.png, "
+                        "memory.png and time.png (and metrics.png) into RUN_DIR.")
+    rp.add_argument("run_dir", help="a run directory holding log.h5")
+    rp.add_argument("--out", help="where to write the PNGs (default RUN_DIR)")
+    rp.add_argument("--no-file-locking", action="store_true",
+                    help="open the HDF5 log without file locks (Lustre/GPFS/NFS)")
+    rp.set_defaults(func=_cmd_report)
     return p
 
 
@@ -73,9 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
-        print(f"deepsolve {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, FloatingPointError, NotImplementedError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"deepsolve {args.command}: error: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"deepsolve {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

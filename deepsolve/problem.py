@@ -1,0 +1,256 @@
+"""Problem files: what a user writes to train something with deepsolve.
+
+A problem file is a plain Python file that defines ``problem``, an instance of a
+:class:`Problem` subclass::
+
+    import torch
+    import deepsolve
+
+    class Decay(deepsolve.Problem):
+        defaults = {"iterations": 50, "lr": 0.05, "steps": 200, "dt": 0.01}
+
+        def build(self, ctx):
+            ctx.model = torch.nn.Linear(1, 1)            # what the optimiser trains
+            ctx.data = {"target": torch.tensor(0.3)}
+
+        def step(self, ctx, x, i):                       # one solver step (unrolled problems)
+            return x + ctx.cfg.dt * ctx.model(x[..., None])[..., 0]
+
+        def residuals(self, ctx, iteration):            # named loss terms
+            x0 = torch.ones(8, device=ctx.device, dtype=ctx.dtype)
+            xT = ctx.unroll(self.step, x0)             # checkpointed, under the budget
+            return {"misfit": (xT.mean() - ctx.data["target"]) ** 2}
+
+    problem = Decay()
+
+The trainer (:mod:`deepsolve.train`) builds a :class:`Context`, calls :meth:`Problem.build`
+once, then every iteration :meth:`Problem.residuals`, weights and sums the terms, steps the
+optimiser and logs each term, times, memory and step counts to the HDF5 log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from .executor import UnrollStats
+from .unroll import unroll
+
+__all__ = ["Problem", "Context", "load_problem", "ProblemError", "TRAINER_DEFAULTS"]
+
+
+class ProblemError(ValueError):
+    """A problem file is missing, broken, or does not define ``problem`` correctly."""
+
+
+#: Defaults every problem has; a problem's own ``defaults`` add to and override them.
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "iterations": 100,       # optimiser steps
+    "lr": 1e-3,              # learning rate
+    "steps": 100,            # unroll length for ctx.unroll
+    "budget": "",            # memory budget for ctx.unroll ("" = none: snapshots or store_all)
+    "snapshots": 0,          # revolve slots when no budget is given (0 = store_all)
+    "seed": 0,
+    "device": "cpu",
+    "dtype": "float32",
+    "eval_every": 10,        # iterations between Problem.evaluate calls (0 = only at the end)
+    "checkpoint_every": 25,  # iterations between restart files
+    "grad_clip": 0.0,        # clip the global gradient norm (0 = off)
+}
+
+
+class Context:
+    """What a problem works with: configuration, device, model, data and a budgeted unroll.
+
+    Attributes:
+        cfg: the resolved configuration (attribute access: ``ctx.cfg.steps``).
+        device, dtype: where and in which precision to build tensors.
+        model: the ``nn.Module`` the optimiser trains (set by :meth:`Problem.build`).
+        data: anything the problem needs (set by :meth:`Problem.build`).
+        generator: a ``torch.Generator`` seeded from ``cfg.seed`` (CPU).
+        rank, world_size: this process's place in a distributed run (0 and 1 otherwise).
+    """
+
+    def __init__(self, cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype,
+                 rank: int = 0, world_size: int = 1):
+        self.cfg = SimpleNamespace(**cfg)
+        self.device = device
+        self.dtype = dtype
+        self.model: torch.nn.Module | None = None
+        self.data: Any = None
+        self.generator = torch.Generator().manual_seed(int(cfg.get("seed", 0)))
+        self.rank = rank
+        self.world_size = world_size
+        self.unroll_stats: list[UnrollStats] = []
+        self._bound: dict = {}
+
+    def unroll(self, step: Callable, state: Any, n_steps: int | None = None, **kw) -> Any:
+        """``deepsolve.unroll`` with the run's settings: ``n_steps`` defaults to
+        ``cfg.steps``; ``budget``/``snapshots`` come from the configuration unless given.
+        Its :class:`UnrollStats` go into the iteration's log row."""
+        n = self.cfg.steps if n_steps is None else n_steps
+        if "budget" not in kw and "snapshots" not in kw and "schedule" not in kw:
+            if self.cfg.budget:
+                kw["budget"] = self.cfg.budget
+            elif self.cfg.snapshots:
+                kw["snapshots"] = int(self.cfg.snapshots)
+        stats = kw.pop("stats", None) or UnrollStats()
+        self.unroll_stats.append(stats)
+        fn = step
+        if hasattr(step, "__self__") and isinstance(step.__self__, Problem):
+            key = (id(step.__func__), id(step.__self__))
+            fn = self._bound.get(key)
+            if fn is None:  # one closure per method, so the step profile is cached
+                fn = self._bound[key] = _bind_ctx(step, self)
+        return unroll(fn, state, n, stats=stats, **kw)
+
+
+def _bind_ctx(method, ctx):
+    """``problem.step(ctx, x, i)`` as ``step(x, i)`` (the model's parameters are closed-over
+    leaves, found by the unroll)."""
+
+    def step(x, i):
+        return method(ctx, x, i)
+
+    return step
+
+
+class Problem:
+    """Base class of problems; see the module docstring for a complete example.
+
+    Override:
+        defaults: a dict of settings and their default values; every key can be changed with
+            ``--set key=value`` (typed by the default's type). Adds to
+            :data:`TRAINER_DEFAULTS` (iterations, lr, steps, budget, ...).
+        build(ctx): create ``ctx.model`` (an ``nn.Module``) and ``ctx.data``. Required.
+        residuals(ctx, iteration) -> dict[str, Tensor]: named scalar loss terms. Required.
+        step(ctx, state, i): the solver step, for problems that unroll (call
+            ``ctx.unroll(self.step, x0)`` inside ``residuals``).
+        weights(ctx) -> dict[str, float]: weight per loss term (default 1 for each).
+        evaluate(ctx) -> dict[str, float]: metrics on held-out data (relative errors...),
+            logged every ``eval_every`` iterations and at the end.
+        optimizer(ctx, params) -> torch.optim.Optimizer: default Adam with ``cfg.lr``.
+        batch_size(ctx) -> int: the size of the batch dimension that distributed runs shard
+            (0 = not shardable).
+    """
+
+    defaults: dict[str, Any] = {}
+
+    def build(self, ctx: Context) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.build(ctx) must create ctx.model")
+
+    def residuals(self, ctx: Context, iteration: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__}.residuals(ctx, iteration) must "
+                                  "return a dict of named loss terms")
+
+    def weights(self, ctx: Context) -> dict[str, float]:
+        return {}
+
+    def evaluate(self, ctx: Context) -> dict[str, float]:
+        return {}
+
+    def optimizer(self, ctx: Context, params) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=ctx.cfg.lr)
+
+    def config(self) -> dict[str, Any]:
+        """Trainer defaults updated with this problem's ``defaults``."""
+        cfg = dict(TRAINER_DEFAULTS)
+        cfg.update(self.defaults)
+        return cfg
+
+
+def load_problem(path: str | os.PathLike) -> tuple[Problem, str]:
+    """Import a problem file and return ``(problem, sha256 of the file)``.
+
+    Raises :class:`ProblemError` with a one-line message when the file does not exist, fails
+    to import, or does not define ``problem`` as a :class:`Problem` instance.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ProblemError(f"problem file {path!r} does not exist")
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    name = "deepsolve_problem_" + hashlib.md5(os.path.abspath(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ProblemError(f"cannot import {path!r}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise ProblemError(f"importing {path} failed: {type(e).__name__}: {e}") from e
+    if not hasattr(module, "problem"):
+        raise ProblemError(f"{path} does not define `problem`; add `problem = MyProblem()` "
+                           "at the end of the file")
+    prob = module.problem
+    if isinstance(prob, type) and issubclass(prob, Problem):
+        raise ProblemError(f"{path}: `problem` is the class {prob.__name__}; make it an "
+                           f"instance: `problem = {prob.__name__}()`")
+    if not isinstance(prob, Problem):
+        raise ProblemError(f"{path}: `problem` is a {type(prob).__name__}, not an instance "
+                           "of deepsolve.Problem")
+    return prob, digest
+
+
+def coerce(key: str, text: str, default: Any) -> Any:
+    """Turn ``--set key=text`` into the type of ``default``; one-line errors."""
+    if isinstance(default, bool):
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--set {key}={text}: expected true or false")
+    if isinstance(default, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"--set {key}={text}: expected an integer") from None
+    if isinstance(default, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"--set {key}={text}: expected a number") from None
+    if isinstance(default, str):
+        return text
+    if isinstance(default, (list, tuple)):
+        import json
+
+        try:
+            val = json.loads(text)
+        except json.JSONDecodeError:
+            val = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(val, list):
+            raise ValueError(f"--set {key}={text}: expected a list such as 1,2,3")
+        return type(default)(val)
+    if default is None:
+        return text
+    if dataclasses.is_dataclass(default):  # pragma: no cover - not used by shipped problems
+        raise ValueError(f"--set {key}: structured settings cannot be set from the command line")
+    raise ValueError(f"--set {key}: settings of type {type(default).__name__} cannot be set "
+                     "from the command line")
+
+
+def apply_overrides(cfg: dict[str, Any], pairs: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` strings to ``cfg`` (typed by the defaults); unknown keys fail."""
+    out = dict(cfg)
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--set {pair!r}: expected key=value")
+        key, text = pair.split("=", 1)
+        key = key.strip()
+        if key not in cfg:
+            known = ", ".join(sorted(cfg))
+            raise ValueError(f"--set {key}: unknown setting; known settings: {known}")
+        out[key] = coerce(key, text, cfg[key])
+    return out

@@ -1,0 +1,40 @@
+"""A tiny unrolled problem for the trainer's tests: recover a decay rate through 50 steps."""
+
+import time
+
+import torch
+
+import deepsolve
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rate = torch.nn.Parameter(torch.tensor(0.1))
+
+
+class Decay(deepsolve.Problem):
+    defaults = {"iterations": 12, "lr": 0.05, "steps": 50, "dt": 0.02, "true_rate": 0.8,
+                "sleep": 0.0, "checkpoint_every": 3, "eval_every": 4, "batch": 4}
+
+    def build(self, ctx):
+        ctx.model = Model().to(ctx.device, ctx.dtype)
+        x0 = torch.linspace(0.5, 1.5, ctx.cfg.batch, device=ctx.device, dtype=ctx.dtype)
+        xT = x0 * (1 - ctx.cfg.dt * ctx.cfg.true_rate) ** ctx.cfg.steps
+        ctx.data = {"x0": x0, "xT": xT}
+
+    def step(self, ctx, x, i):
+        return x - ctx.cfg.dt * ctx.model.rate * x
+
+    def residuals(self, ctx, iteration):
+        if ctx.cfg.sleep:
+            time.sleep(ctx.cfg.sleep)
+        xT = ctx.unroll(self.step, ctx.data["x0"])
+        return {"misfit": ((xT - ctx.data["xT"]) ** 2).mean(),
+                "prior": 1e-4 * ctx.model.rate ** 2}
+
+    def evaluate(self, ctx):
+        return {"rate_error": abs(ctx.model.rate.item() - ctx.cfg.true_rate)}
+
+
+problem = Decay()

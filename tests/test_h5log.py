@@ -1,0 +1,362 @@
+"""deepsolve.io.h5log: block appends, SWMR reading, resume/truncate, crash safety, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from deepsolve.io import H5Log, LogError, read_log, to_pandas
+from deepsolve.io import h5log as H
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def row(i: int, **extra) -> dict:
+    r = {"iteration": i, "loss": 1.0 / (i + 1), "loss/pde": 0.5 / (i + 1), "time": 0.01,
+         "advances": 3 * i, "schedule": "revolve", "metric/err": math.nan}
+    r.update(extra)
+    return r
+
+
+def write_log(path: Path, n: int, **kw) -> None:
+    with H5Log(path, **kw) as log:
+        for i in range(n):
+            log.append(row(i))
+
+
+def run_py(code: str, *args: str, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+                          capture_output=True, text=True, timeout=120, **kw)
+
+
+# ------------------------------------------------------------------------------ writing
+
+
+def test_block_appends_and_layout(tmp_path):
+    p = tmp_path / "log.h5"
+    log = H5Log(p, block_rows=8, flush_seconds=1e9)
+    for i in range(7):
+        log.append(row(i))
+    assert log._n == 0 and log.n_rows == 7          # buffered, nothing written yet
+    log.append(row(7))
+    assert log._n == 8 and log._buf == []            # one block of 8 rows
+    for i in range(8, 13):
+        log.append(row(i))
+    assert log._n == 8
+    log.close()
+    log.close()                                      # idempotent
+    with h5py.File(p, "r") as f:
+        names = list(f)
+        assert names[:3] == ["iteration", "loss", "loss.pde"]   # creation order, '/' -> '.'
+        for k in f:
+            d = f[k]
+            assert d.shape == (13,) and d.maxshape == (None,) and d.chunks is not None
+        assert f["iteration"].dtype == np.int64 and f["advances"].dtype == np.int64
+        assert f["loss"].dtype == np.float64
+        assert h5py.check_string_dtype(f["schedule"].dtype).encoding == "utf-8"
+        assert f["loss.pde"].attrs["column"] == "loss/pde"
+        assert f["time"].attrs["units"] == "s"
+        assert f.attrs["schema_version"] == H.SCHEMA_VERSION
+    d = read_log(p)
+    assert d.n_rows == 13
+    assert list(d.columns["iteration"]) == list(range(13))
+    assert d.columns["loss/pde"][3] == pytest.approx(0.125)
+    assert list(d.columns["schedule"]) == ["revolve"] * 13
+
+
+def test_flush_seconds_triggers_a_flush(tmp_path):
+    log = H5Log(tmp_path / "log.h5", block_rows=1000, flush_seconds=0.0)
+    log.append(row(0))
+    assert log._n == 1
+    log.close()
+
+
+def test_missing_values_and_scalar_types(tmp_path):
+    p = tmp_path / "log.h5"
+    with H5Log(p) as log:
+        log.append(row(0, lr=np.float32(0.5)))
+        log.append({"iteration": np.int64(1), "loss": np.float64(2.0)})   # most columns missing
+        log.append(row(2, advances=7.0, schedule=None, lr=None))
+    d = read_log(p)
+    assert d.columns["lr"][0] == 0.5
+    assert math.isnan(d.columns["lr"][1]) and math.isnan(d.columns["lr"][2])
+    assert math.isnan(d.columns["loss/pde"][1]) and math.isnan(d.columns["time"][1])
+    assert list(d.columns["advances"]) == [0, H.INT_MISSING, 7]
+    assert list(d.columns["schedule"]) == ["revolve", "", ""]
+    assert d.columns["iteration"].dtype == np.int64
+
+
+def test_new_column_after_creation_is_an_error(tmp_path):
+    p = tmp_path / "log.h5"
+    with H5Log(p) as log:
+        log.append(row(0))
+        with pytest.raises(LogError, match="new column.*'loss/extra'.*first row"):
+            log.append(row(1, **{"loss/extra": 1.0}))
+        log.append(row(1))                       # the rejected row was not buffered
+    assert read_log(p).n_rows == 2
+
+
+def test_row_errors(tmp_path):
+    with H5Log(tmp_path / "log.h5") as log:
+        with pytest.raises(LogError, match="iteration"):
+            log.append({"loss": 1.0})
+        log.append(row(5))
+        with pytest.raises(LogError, match="strictly increasing"):
+            log.append(row(5))
+        with pytest.raises(LogError, match="holds numbers"):
+            log.append(row(6, loss="x"))
+        with pytest.raises(LogError, match="holds strings"):
+            log.append(row(6, schedule=3))
+        with pytest.raises(LogError, match="int64"):
+            log.append(row(6, advances=2.5))
+        assert log.last_iteration == 5
+
+
+def test_attrs_json_round_trip(tmp_path):
+    p = tmp_path / "log.h5"
+    cfg = {"problem": "heat", "steps": 5000, "opt": {"lr": 1e-3, "betas": [0.9, 0.99]},
+           "budget": None}
+    write_log(p, 3, attrs={"config": cfg, "name": "run-1", "seed": 7, "tags": ["a", "b"]})
+    d = read_log(p)
+    assert d.attrs["config"] == cfg
+    assert d.attrs["tags"] == ["a", "b"]
+    assert d.attrs["name"] == "run-1" and d.attrs["seed"] == 7
+    assert d.attrs["schema_version"] == H.SCHEMA_VERSION
+    assert "json_attrs" not in d.attrs
+    with h5py.File(p, "r") as f:                     # config is a JSON string in the file
+        assert json.loads(f.attrs["config"]) == cfg
+
+
+def test_strange_column_names(tmp_path):
+    with H5Log(tmp_path / "a.h5") as log:
+        with pytest.raises(LogError, match="same dataset"):
+            log.append({"iteration": 0, "a/b": 1.0, "a.b": 2.0})
+        log.append({"iteration": 0, "a/b": 1.0, "b c": "x", "é": 2})
+    assert list(read_log(tmp_path / "a.h5").columns) == ["iteration", "a/b", "b c", "é"]
+    with pytest.raises(LogError, match="invalid column name"):
+        H5Log(tmp_path / "b.h5").append({"iteration": 0, "/": 1.0})
+
+
+# ------------------------------------------------------------------------------ reading
+
+
+READER = """
+import sys, h5py
+with h5py.File(sys.argv[1], "r", swmr=True, libver="latest") as f:
+    print(f["iteration"].shape[0], f["loss.pde"].shape[0], int(f["iteration"][-1]))
+"""
+
+
+def test_swmr_reader_sees_flushed_rows_while_writing(tmp_path):
+    p = tmp_path / "log.h5"
+    log = H5Log(p, block_rows=5, flush_seconds=1e9)
+    for i in range(7):
+        log.append(row(i))                        # 5 flushed, 2 buffered
+    r = run_py(READER, str(p))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["5", "5", "4"]
+    log.flush()
+    r = run_py(READER, str(p))
+    assert r.stdout.split() == ["7", "7", "6"]
+    assert read_log(p).n_rows == 7                 # read_log too, writer still open
+    log.close()
+
+
+def test_resume_and_truncate_after(tmp_path):
+    p = tmp_path / "log.h5"
+    write_log(p, 30, attrs={"config": {"a": 1}})
+    # restart file at iteration 19: rows 20..29 were logged but will be re-run
+    with H5Log(p, resume=True, attrs={"resumed_from": 19}) as log:
+        assert log.last_iteration == 29 and log.n_rows == 30
+        assert log.truncate_after(19) == 10
+        assert log.last_iteration == 19
+        for i in range(20, 40):
+            log.append(row(i))
+    d = read_log(p)
+    assert list(d.columns["iteration"]) == list(range(40))
+    assert d.attrs["config"] == {"a": 1} and d.attrs["resumed_from"] == 19
+    # truncation also drops buffered rows, and a restart before any row empties the log
+    with H5Log(p, resume=True, block_rows=100) as log:
+        for i in range(40, 45):
+            log.append(row(i))
+        assert log.truncate_after(41) == 3 and log.last_iteration == 41
+        assert log.truncate_after(-1) == 42 and log.last_iteration == -1
+        log.append(row(0))
+    assert list(read_log(p).columns["iteration"]) == [0]
+
+
+def test_resume_of_log_without_rows(tmp_path):
+    p = tmp_path / "log.h5"
+    H5Log(p, attrs={"x": 1}).close()
+    with pytest.raises(LogError, match="no columns"):
+        read_log(p)
+    with H5Log(p, resume=True) as log:
+        assert log.last_iteration == -1
+        log.append(row(0))
+    assert read_log(p).n_rows == 1
+    with pytest.raises(LogError, match="no log to resume"):
+        H5Log(tmp_path / "nothing.h5", resume=True)
+
+
+def test_missing_truncated_and_garbage_files(tmp_path):
+    with pytest.raises(LogError, match="no such log file") as e:
+        read_log(tmp_path / "missing.h5")
+    assert "missing.h5" in str(e.value)
+    p = tmp_path / "log.h5"
+    write_log(p, 200)
+    size = p.stat().st_size
+    with open(p, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(LogError) as e:
+        read_log(p)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+    g = tmp_path / "garbage.h5"
+    g.write_bytes(os.urandom(4096))
+    with pytest.raises(LogError, match="not a readable HDF5 log") as e:
+        read_log(g)
+    assert "\n" not in str(e.value)
+    with pytest.raises(LogError):
+        H5Log(g, resume=True)
+
+
+def test_missing_iteration_and_unequal_lengths(tmp_path):
+    p = tmp_path / "a.h5"
+    with h5py.File(p, "w") as f:
+        f["loss"] = np.ones(3)
+    with pytest.raises(LogError, match="no 'iteration' column"):
+        read_log(p)
+    with h5py.File(p, "a") as f:
+        f["iteration"] = np.arange(4)
+    with pytest.raises(LogError, match="different lengths"):
+        read_log(p)
+
+
+def test_to_pandas(tmp_path):
+    p = tmp_path / "log.h5"
+    write_log(p, 4, attrs={"config": {"a": 1}})
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pandas"):
+            to_pandas(p)
+        return
+    df = to_pandas(p)
+    assert list(df["iteration"]) == [0, 1, 2, 3] and "loss/pde" in df.columns
+    assert df.attrs["config"] == {"a": 1}
+
+
+# ------------------------------------------------------------------------------ locking
+
+
+def test_locking_flag_and_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)
+    assert H._locking_kw(None) == {}
+    assert H._locking_kw(False) == {"locking": False}
+    monkeypatch.setenv("HDF5_USE_FILE_LOCKING", "FALSE")
+    assert H._locking_kw(None) == {"locking": False}
+    assert H._locking_kw(True) == {"locking": True}
+    p = tmp_path / "log.h5"
+    write_log(p, 3, locking=False)
+    assert read_log(p, locking=False).n_rows == 3
+
+
+def test_lock_errors_say_how_to_retry(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise OSError(38, "Unable to synchronously open file (unable to lock file, errno = 38, "
+                          "error message = 'Function not implemented')")
+
+    p = tmp_path / "log.h5"
+    write_log(p, 2)
+    monkeypatch.setattr(H.h5py, "File", refuse)
+    for call in (lambda: H5Log(tmp_path / "new.h5"), lambda: read_log(p),
+                 lambda: H5Log(p, resume=True)):
+        with pytest.raises(LogError, match="--no-file-locking or HDF5_USE_FILE_LOCKING=FALSE"):
+            call()
+
+
+HOLDER = """
+import sys, time, h5py
+f = h5py.File(sys.argv[1], "r")                # a reader holds HDF5's shared lock
+print("open", flush=True)
+time.sleep(60)
+"""
+
+
+def test_lock_held_by_another_process(tmp_path, monkeypatch):
+    p = tmp_path / "log.h5"
+    write_log(p, 3)
+    monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)
+    monkeypatch.setattr(H, "_LOCK_WAIT", 0.3)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(p)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        with pytest.raises(LogError, match="locked by another process.*--no-file-locking"):
+            H5Log(p, resume=True)
+        assert read_log(p).n_rows == 3              # shared locks do not conflict
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    with H5Log(p, resume=True) as log:              # the lock went away with the reader
+        log.append(row(3))
+    assert read_log(p).n_rows == 4
+
+
+# ------------------------------------------------------------------------------ crashes
+
+
+CRASHER = """
+import sys, time
+from deepsolve.io import H5Log
+log = H5Log(sys.argv[1], block_rows=1000, flush_seconds=1e9, attrs={"config": {"k": 1}})
+for i in range(10):
+    log.append({"iteration": i, "loss": 1.0 / (i + 1), "schedule": "revolve"})
+log.flush()
+for i in range(10, 13):                    # buffered only: lost on SIGKILL
+    log.append({"iteration": i, "loss": 0.0, "schedule": "revolve"})
+print("flushed", flush=True)
+time.sleep(60)
+"""
+
+
+def test_flushed_rows_survive_sigkill_and_resume_recovers(tmp_path):
+    p = tmp_path / "log.h5"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CRASHER), str(p)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "flushed", proc.stderr.read()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    d = read_log(p)                                # the file is left marked "open for SWMR"
+    assert list(d.columns["iteration"]) == list(range(10))
+    assert d.attrs["config"] == {"k": 1}
+    with pytest.warns(RuntimeWarning, match="not closed cleanly.*10 flushed rows"):
+        log = H5Log(p, resume=True)
+    with log:
+        assert log.recovered and log.last_iteration == 9
+        log.truncate_after(7)
+        for i in range(8, 15):
+            log.append({"iteration": i, "loss": 0.5, "schedule": "periodic"})
+    d = read_log(p)
+    assert list(d.columns["iteration"]) == list(range(15))
+    assert list(d.columns["schedule"][7:9]) == ["revolve", "periodic"]
+    assert d.attrs["config"] == {"k": 1}
+    assert not p.with_name(p.name + ".recover.tmp").exists()
