@@ -484,6 +484,61 @@ class _Executor:
             self._fill_stats()
         return tape
 
+    def forward_online(self, x0: list[torch.Tensor], ctl, stop, max_steps: int | None):
+        """The forward sweep of an unknown-length unroll: step until ``stop(x_i, i)``, letting
+        the online controller store and free snapshots; then plan the reverse sweep
+        (``ctl.finish(n)``) and record step ``n - 1`` from the held ``x_{n-1}``."""
+        t0 = time.perf_counter()
+        self.marker = _sequence_marker()
+        step, spec = self.step, self.step.spec
+        cur = [t.detach() for t in x0]
+        outs: list = []
+        i = 0
+        rng = None
+        with torch.no_grad():
+            while True:
+                for a in ctl.at(i):
+                    if type(a) is Store:
+                        self._store(cur, a)
+                    else:
+                        self._free(a)
+                if self.preserve_rng:
+                    rng = _get_rng(self.cuda)
+                if i == 0:
+                    nxt, out = step.first(cur, 0)
+                else:
+                    nxt, out = step(cur, i)
+                    step.fast_check(nxt, i)
+                if out:
+                    outs.append([o.detach() for o in out])
+                i += 1
+                if stop(_unflatten(nxt, spec), i):
+                    break
+                if max_steps is not None and i >= max_steps:
+                    raise RuntimeError(
+                        f"unroll: the stop condition was not met within max_steps={max_steps} "
+                        "steps; raise max_steps or check the condition"
+                    )
+                cur = nxt
+        self.advances += i
+        n = self.n = self.frontier = i
+        self.actions = iter(ctl.finish(n))
+        first = next(self.actions)
+        if type(first) is not Reverse or first.index != n - 1:  # pragma: no cover
+            raise RuntimeError(f"unroll: online schedule must start with Reverse({n - 1})")
+        if rng is not None:  # replay step n-1's random numbers
+            _set_rng(rng, self.cuda)
+        tape = self._record(cur, n - 1)
+        self.recorded += 1
+        self.pending = (n - 1, tape)
+        self.final = [y.detach() for y in tape[1]]
+        self.outs = [torch.stack(col) for col in zip(*outs, strict=True)] if outs else []
+        if self.stats is not None:
+            self.stats.n_steps = n
+            self.stats.forward_time = time.perf_counter() - t0
+            self._fill_stats()
+        return tape
+
     def backward(self, g_final: Sequence, g_outs: Sequence):
         if self.done:
             raise RuntimeError("unroll: backward through a checkpointed unroll can run only "
@@ -593,13 +648,15 @@ class _UnrollFunction(torch.autograd.Function):
 def execute(
     step: Callable[[Any, int], Any],
     state: Any,
-    schedule: Schedule,
+    schedule: Schedule | Any,
     *,
     params: Sequence[torch.Tensor] | None = None,
     has_output: bool | None = None,
     preserve_rng: bool = True,
     stats: UnrollStats | None = None,
     storage: dict[int, Any] | None = None,
+    until: Callable[[Any, int], bool] | None = None,
+    max_steps: int | None = None,
 ) -> Any:
     """Run ``schedule.n_steps`` steps of ``step`` from ``state`` following ``schedule``.
 
@@ -609,32 +666,48 @@ def execute(
     ``get(key, meta)``, ``drop(key)`` and ``close()`` (default: :class:`HostStorage`); the
     executor closes every backend when the reverse sweep ends, when the forward sweep fails,
     and when the unroll's graph is freed without a backward.
+
+    With ``until=stop`` the length is unknown: ``schedule`` is an online schedule
+    (:func:`deepsolve.schedules.online`) or ``None`` (keep every step recorded), and the
+    unroll runs until ``stop(x_i, i)`` is true (at most ``max_steps`` steps).
     """
-    n_steps = schedule.n_steps
     x0, spec = _flatten_state(state)
     sched = schedule
     fn = _Step(step, spec, x0, has_output)
     state_bytes = sum(t.numel() * t.element_size() for t in x0)
     if stats is not None:
-        stats.n_steps = n_steps
         stats.schedule = repr(sched)
         stats.state_bytes = state_bytes
-    if n_steps == 0:
-        return state
+    if until is not None:
+        with torch.no_grad():
+            if until(state, 0):
+                if stats is not None:
+                    stats.n_steps = 0
+                return state
+        n_steps = -1  # unknown
+    else:
+        n_steps = schedule.n_steps
+        if stats is not None:
+            stats.n_steps = n_steps
+        if n_steps == 0:
+            return state
     explicit = list(params or [])
     for k, p in enumerate(explicit):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"unroll: params[{k}] is a {type(p).__name__}, not a tensor")
 
     grad_on = torch.is_grad_enabled()
-    if not grad_on or sched.kind == "store_all":
-        return _plain_loop(fn, x0, n_steps, spec, grad_on, stats)
+    if not grad_on or sched is None or sched.kind == "store_all":
+        return _plain_loop(fn, x0, n_steps, spec, grad_on, stats, until, max_steps)
 
     cuda = _devices(x0 + explicit)
     ex = _Executor(fn, sched, n_steps, len(x0), preserve_rng, stats, cuda, _autocast_state(),
                    storage)
     try:
-        x_in, y, out = ex.forward(x0)
+        if until is not None:
+            x_in, y, out = ex.forward_online(x0, sched.start(), until, max_steps)
+        else:
+            x_in, y, out = ex.forward(x0)
     except BaseException:
         ex.release()
         raise
@@ -678,12 +751,14 @@ def _discover(step, y, out, explicit, x_in, marker) -> list[torch.Tensor]:
 
 
 def _plain_loop(fn: _Step, x0: list[torch.Tensor], n: int, spec, grad_on: bool,
-                stats: UnrollStats | None):
-    """The plain loop: under no_grad, or store_all (autograd keeps the whole graph)."""
+                stats: UnrollStats | None, until=None, max_steps: int | None = None):
+    """The plain loop: under no_grad, or store_all (autograd keeps the whole graph); with
+    ``until``, until ``until(x_i, i)`` holds."""
     t0 = time.perf_counter()
     cur = x0
     outs = []
-    for i in range(n):
+    i = 0
+    while until is not None or i < n:
         if i == 0:
             cur, out = fn.first(cur, 0)
         else:
@@ -691,7 +766,18 @@ def _plain_loop(fn: _Step, x0: list[torch.Tensor], n: int, spec, grad_on: bool,
             fn.fast_check(cur, i)
         if fn.has_output:
             outs.append(out)
+        i += 1
+        if until is not None:
+            with torch.no_grad():
+                if until(_unflatten(cur, spec), i):
+                    break
+            if max_steps is not None and i >= max_steps:
+                raise RuntimeError(
+                    f"unroll: the stop condition was not met within max_steps={max_steps} "
+                    "steps; raise max_steps or check the condition")
+    n = i
     if stats is not None:
+        stats.n_steps = n
         stats.forward_time = time.perf_counter() - t0
         if grad_on:
             stats.recorded = n

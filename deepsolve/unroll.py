@@ -14,8 +14,9 @@ import torch
 
 from .executor import HostStorage, UnrollStats, execute
 from .memory.offload import DiskStorage
+from .memory.planner import online_snapshots
 from .memory.planner import plan as make_plan
-from .schedules import Schedule, periodic, revolve, store_all
+from .schedules import Online, Schedule, online, periodic, revolve, store_all
 
 __all__ = ["unroll", "UnrollStats"]
 
@@ -49,8 +50,10 @@ def _resolve_schedule(schedule, snapshots, n_steps: int) -> Schedule:
 def unroll(
     step: Callable[[Any, int], Any],
     state: Any,
-    n_steps: int,
+    n_steps: int | None = None,
     *,
+    until: Callable[[Any, int], bool] | None = None,
+    max_steps: int | None = None,
     snapshots: int | None = None,
     schedule: str | Schedule | None = None,
     budget: int | str | None = None,
@@ -69,7 +72,15 @@ def unroll(
             registered dataclass); the step must return the same structure, shapes, dtypes
             and devices, and must not modify its input in place.
         state: the initial state ``x_0``.
-        n_steps: number of steps ``n >= 0``.
+        n_steps: number of steps ``n >= 0``; or ``None`` with ``until``.
+        until: ``stop(state, i) -> bool`` for an unroll of unknown length (adaptive time
+            stepping, iterations to tolerance): called with the state after ``i`` steps
+            (``i = 0`` for the initial state, under ``no_grad``); the unroll stops at the first
+            ``i`` where it is true. ``snapshots=`` and ``budget=`` then choose an *online*
+            checkpoint schedule (:func:`deepsolve.schedules.online`) whose memory never
+            exceeds them; without either, every step is kept recorded. Step ``n - 1`` is
+            evaluated once more than offline (it reveals that ``x_n`` is the end).
+        max_steps: with ``until``, give up with a clear error after this many steps.
         snapshots: revolve with this many snapshot slots, ``x_0`` included. Memory is
             ``snapshots`` states plus one recorded step; the step is evaluated
             ``optimal_cost(n, snapshots)`` times unrecorded and ``n`` times recorded.
@@ -104,6 +115,11 @@ def unroll(
 
     Under ``torch.no_grad()`` (or when nothing requires grad) this is the plain loop.
     """
+    if until is not None:
+        return _unroll_until(step, state, until, max_steps, snapshots, schedule, budget,
+                             params, has_output, preserve_rng, stats, n_steps)
+    if n_steps is None:
+        raise ValueError("unroll: give n_steps, or until=stop for an unroll of unknown length")
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
         raise ValueError(f"unroll: n_steps must be an integer >= 0, got {n_steps!r}")
     storage = None
@@ -126,3 +142,30 @@ def unroll(
         sched = _resolve_schedule(schedule, snapshots, n_steps)
     return execute(step, state, sched, params=params, has_output=has_output,
                    preserve_rng=preserve_rng, stats=stats, storage=storage)
+
+
+def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, params,
+                  has_output, preserve_rng, stats, n_steps):
+    if n_steps is not None:
+        raise ValueError("unroll: give n_steps or until=, not both (cap an open-ended unroll "
+                         "with max_steps=)")
+    if not callable(until):
+        raise TypeError(f"unroll: until must be callable as until(state, i), got "
+                        f"{type(until).__name__}")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
+                                  or max_steps < 1):
+        raise ValueError(f"unroll: max_steps must be an integer >= 1, got {max_steps!r}")
+    if schedule is not None and not isinstance(schedule, Online):
+        raise ValueError("unroll: with until= the schedule is online; give snapshots= or "
+                         "budget= (or an online(...) schedule object)")
+    if budget is not None and (snapshots is not None or schedule is not None):
+        raise ValueError("unroll: give budget= or snapshots=/schedule=, not both")
+    sched = schedule
+    if snapshots is not None:
+        sched = online(snapshots)
+    elif budget is not None and torch.is_grad_enabled():
+        sched = online(online_snapshots(step, state, budget, max_steps, params))
+        if stats is not None:
+            stats.extra["online_snapshots"] = sched.snapshots
+    return execute(step, state, sched, params=params, has_output=has_output,
+                   preserve_rng=preserve_rng, stats=stats, until=until, max_steps=max_steps)

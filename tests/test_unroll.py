@@ -492,3 +492,71 @@ def test_error_bad_schedule_arguments():
         unroll(lambda x, i: x, torch.ones(2), 3, schedule=S.revolve(5, 2))
     with pytest.raises(ValueError, match="snapshots"):
         unroll(lambda x, i: x, torch.ones(2), 3, snapshots=0)
+
+
+# --- unknown length: until= with an online schedule ----------------------------------------
+
+@pytest.mark.parametrize("name", ["reaction_diffusion", "noise_forcing", "pytree_outputs",
+                                  "dropout"])
+@pytest.mark.parametrize("kw", [{"snapshots": 2}, {"snapshots": 4}, {"snapshots": 50}, {}])
+def test_until_gradients_equal_plain_autograd(name, kw):
+    step, x0, params, loss = STEPS[name]()
+    n = 29
+    ref = plain_grads(step, x0, params, loss, n)
+    torch.manual_seed(0)
+    st = UnrollStats()
+    res = unroll(step, x0, until=lambda x, i: i >= n, stats=st, **kw)
+    inputs = [t for t in leaves_of(x0) if t.requires_grad] + params
+    got = torch.autograd.grad(loss(res), inputs)
+    for a, b in zip(got, ref, strict=True):
+        assert rel_err(a, b) <= 1e-10
+    assert st.n_steps == n and st.recorded == n
+    if kw:
+        s = kw["snapshots"]
+        assert st.snapshots_peak <= s
+        expected = S.stats(S.online(s).for_length(n)).advances + S.Online.extra_advances
+        assert st.advances == expected
+
+
+def test_until_stops_on_the_state():
+    """The stop condition sees the state: iterate x -> x/2 until it is below a tolerance."""
+    w = torch.tensor(0.5, dtype=DT, requires_grad=True)
+    counted = Counter(lambda x, i: x * w)
+    x0 = torch.tensor([1.0, 3.0], dtype=DT)
+    y = unroll(counted, x0, until=lambda x, i: bool(x.abs().max() < 1e-3), snapshots=3)
+    n = 12  # 3 / 2^12 < 1e-3 <= 3 / 2^11
+    assert torch.allclose(y, x0 * 0.5**n)
+    (g,) = torch.autograd.grad(y.sum(), w)
+    assert rel_err(g, torch.tensor(4.0 * n * 0.5 ** (n - 1), dtype=DT)) <= 1e-12
+    assert counted.recorded == n
+    assert counted.unrecorded == S.stats(S.online(3).for_length(n)).advances + 1
+
+
+def test_until_edge_cases_and_errors():
+    x0 = torch.ones(3, dtype=DT, requires_grad=True)
+    assert unroll(lambda x, i: 2 * x, x0, until=lambda x, i: True, snapshots=2) is x0
+    with pytest.raises(RuntimeError, match="max_steps=7"):
+        unroll(lambda x, i: 2 * x, x0, until=lambda x, i: False, snapshots=2, max_steps=7)
+    with pytest.raises(ValueError, match="not both"):
+        unroll(lambda x, i: 2 * x, x0, 5, until=lambda x, i: True)
+    with pytest.raises(ValueError, match="give n_steps, or until="):
+        unroll(lambda x, i: 2 * x, x0)
+    with pytest.raises(ValueError, match="online"):
+        unroll(lambda x, i: 2 * x, x0, until=lambda x, i: i > 3, schedule="revolve")
+
+
+def test_until_with_a_budget_keeps_memory_bounded():
+    from deepsolve.memory import profile_step
+
+    step, x0, params, loss = make_reaction_diffusion()
+    prof = profile_step(step, x0)
+    budget = prof.tape_bytes + prof.working_bytes + 6 * prof.state_bytes
+    st = UnrollStats()
+    y = unroll(step, x0, until=lambda x, i: i >= 80, budget=budget, stats=st)
+    ref = plain_grads(step, x0, params, loss, 80)
+    got = torch.autograd.grad(loss(y), [x0, *params])
+    for a, b in zip(got, ref, strict=True):
+        assert rel_err(a, b) <= 1e-10
+    s = st.extra["online_snapshots"]
+    assert (s - 1) * prof.state_bytes + prof.tape_bytes + prof.working_bytes <= budget
+    assert st.snapshot_bytes_peak <= (s - 1) * prof.state_bytes

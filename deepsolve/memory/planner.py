@@ -39,7 +39,7 @@ from .budget import BudgetError, format_bytes
 from .profiling import StepProfile
 
 __all__ = ["Plan", "Alternative", "SlowLevel", "plan", "choose", "predicted_peak",
-           "measure_level"]
+           "measure_level", "online_snapshots"]
 
 
 @dataclass
@@ -355,3 +355,30 @@ def measure_level(kind: str, leaves, spill_dir: str | None = None) -> SlowLevel:
                       spill_dir)
     _level_cache[key] = level
     return level
+
+
+def online_snapshots(step, state, budget: int | str, max_steps: int | None = None,
+                     params=None) -> int:
+    """Snapshot slots for an unknown-length unroll under ``budget``: the most that fit beside
+    one recorded step, the working set and (with ``max_steps``) the stacked outputs.
+    Raises :class:`~deepsolve.BudgetError` when not even ``x_0`` and one step fit."""
+    from torch.utils import _pytree as pytree
+
+    from .budget import parse_budget
+    from .profiling import profile_step
+
+    leaves = pytree.tree_leaves(state)
+    nbytes = parse_budget(budget, leaves[0].device if leaves else None)
+    p = profile_step(step, state, params=params)
+    outs = (max_steps or 0) * p.output_bytes
+    room = nbytes - p.tape_bytes - p.working_bytes - outs
+    if room < 0:
+        raise BudgetError(
+            f"the budget {format_bytes(nbytes)} is below the minimum "
+            f"{format_bytes(nbytes - room)} an unknown-length unroll needs: one recorded step "
+            f"takes {format_bytes(p.tape_bytes)}, the working set "
+            f"{format_bytes(p.working_bytes)}; raise the budget or shrink the step")
+    if p.state_bytes == 0:
+        return 1_000_000
+    # one more state than offline: the online forward holds x_{i-1} beside x_i
+    return max(1, 1 + int(room // p.state_bytes) - 1)

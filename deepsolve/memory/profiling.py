@@ -92,7 +92,17 @@ def _key(step, leaves) -> tuple:
 def profile_step(step, state, *, params: list[torch.Tensor] | None = None, repeats: int = 3,
                  cache: bool = True) -> StepProfile:
     """Measure ``step`` on ``state`` (see :class:`StepProfile`). Runs the step
-    ``1 + 2 * repeats`` times; the first call is a warm-up."""
+    ``1 + 2 * repeats`` times; the first call is a warm-up. The CPU and CUDA random number
+    generators are left as they were, so profiling does not shift a stochastic step's stream.
+    """
+    leaves = [state] if isinstance(state, torch.Tensor) else pytree.tree_leaves(state)
+    cuda = sorted({t.device.index or 0 for t in leaves
+                   if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        return _profile_step(step, state, params, repeats, cache)
+
+
+def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile:
     if isinstance(state, torch.Tensor):
         leaves, spec = [state], None
     else:

@@ -17,6 +17,7 @@ from .basic import Periodic, StoreAll, periodic, store_all
 from .check import LevelCounts, ScheduleError, ScheduleStats, check, stats
 from .cost import beta, optimal_cost, repetitions
 from .mixed import Mixed, mixed, mixed_cost, peak_units
+from .online import Online, OnlineController, OnlineSchedule, online
 from .revolve import Revolve, revolve
 from .tail import RevolveTail, revolve_tail, revolve_tail_cost
 from .two_level import TwoLevel, makespan, two_level, two_level_cost
@@ -26,6 +27,7 @@ __all__ = [
     "Schedule", "Revolve", "StoreAll", "Periodic", "TwoLevel", "Mixed",
     "revolve", "store_all", "periodic", "two_level", "two_level_cost", "makespan",
     "mixed", "mixed_cost", "peak_units", "RevolveTail", "revolve_tail", "revolve_tail_cost",
+    "Online", "OnlineController", "OnlineSchedule", "online",
     "optimal_cost", "repetitions", "beta",
     "check", "stats", "ScheduleStats", "ScheduleError", "LevelCounts",
 ]
