@@ -84,7 +84,7 @@ def test_store_all_chosen_when_it_fits():
     assert p.kind == "store_all" and p.predicted_time == 1.0
     assert "store_all" in p.explain() and "chosen: store_all" in p.explain()
     p = deepsolve.plan(step, x0, 10, budget="100MiB")
-    assert p.kind == "revolve" and p.predicted_peak <= 100 * MiB
+    assert p.kind in ("revolve", "revolve_tail") and p.predicted_peak <= 100 * MiB
 
 
 def test_budget_error_below_one_recorded_step():
