@@ -4,6 +4,8 @@ Public surface:
 
 * :func:`unroll` — run ``x_{i+1} = step(x_i, i)`` for ``n`` steps with a checkpoint schedule
   and exact gradients (:class:`UnrollStats` reports what it did);
+* :func:`fixed_point` — equilibrium solvers (Picard, Anderson, Broyden) with implicit,
+  unrolled (checkpointed) or phantom backward;
 * :func:`plan` — profile a step and pick the fastest schedule under a memory budget
   (:class:`Plan`, :class:`BudgetError`);
 * :mod:`schedules` — checkpoint schedules as lazy action streams (revolve, store_all,
@@ -11,6 +13,7 @@ Public surface:
 """
 
 from . import schedules
+from .fixed_point import FixedPointError, FixedPointStats, FixedPointWarning, fixed_point
 from .memory import BudgetError, Plan, plan
 from .problem import Context, Problem
 from .unroll import UnrollStats, unroll
@@ -19,5 +22,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "schedules", "unroll", "UnrollStats", "plan", "Plan", "BudgetError", "Problem", "Context",
+    "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
     "__version__",
 ]
