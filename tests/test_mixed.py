@@ -4,6 +4,7 @@ validity and storage limits, never worse than revolve, laziness, argument errors
 from __future__ import annotations
 
 import heapq
+import importlib
 import tracemalloc
 import warnings
 from functools import lru_cache
@@ -23,8 +24,9 @@ from deepsolve.schedules import (
     stats,
     store_all,
 )
-from deepsolve.schedules import mixed as mixed_module
 from deepsolve.schedules.mixed import Mixed, mixed, mixed_cost, peak_units
+
+mixed_module = importlib.import_module("deepsolve.schedules.mixed")
 
 INF = float("inf")
 SIZES = [(1, 1), (2, 1), (1, 2), (3, 2), (2, 3), (5, 1), (1, 4), (4, 6)]  # (tape, state)
