@@ -59,6 +59,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     res = train(args.problem, overrides=overrides, sets=args.set, out=args.out,
                 resume=args.resume, quiet=args.quiet,
                 locking=False if args.no_file_locking else None)
+    if res.rank != 0:  # distributed run: rank 0 reports
+        return PREEMPTED_EXIT_CODE if res.preempted else 0
     if res.preempted:
         print(f"stopped by a signal after iteration {res.iterations - 1}; restart file "
               f"{res.restart_path}; continue with --resume", file=sys.stderr)
@@ -67,6 +69,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"log: {res.log_path}")
     print(f"restart file: {res.restart_path}")
     print(f"summary and plots: python -m deepsolve report {res.run_dir}")
+    return 0
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from .slurm import SubmitSpec, submit
+
+    spec = SubmitSpec.create(args.problem, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                             time=args.time, tasks_per_node=args.tasks_per_node,
+                             cpus_per_task=args.cpus_per_task, partition=args.partition,
+                             account=args.account, out=args.out, job_name=args.job_name,
+                             port=args.port, train_args=args.train_args)
+    res = submit(spec, dry_run=args.dry_run)
+    if not res.submitted:
+        print(res.script)
+    print(res.message, file=sys.stderr if not res.submitted else sys.stdout)
     return 0
 
 
@@ -132,6 +149,31 @@ def build_parser() -> argparse.ArgumentParser:
                     help="open the HDF5 log without file locks (Lustre/GPFS/NFS)")
     tr.set_defaults(func=_cmd_train)
 
+    sb = sub.add_parser("submit", help="write a SLURM batch script and submit it",
+                        usage="deepsolve submit PROBLEM.py --gpus-per-node G --time HH:MM:SS "
+                        "[options] [-- TRAIN ARGS]",
+                        description="Write RUN_DIR/deepsolve.sbatch (srun + torchrun on every "
+                        "node; requeues itself and resumes when preempted or near its time "
+                        "limit) and submit it with sbatch; without sbatch, or with --dry-run, "
+                        "print it. Arguments after -- go to `deepsolve train`. See docs/hpc.md.")
+    sb.add_argument("problem", help="problem file (problems/NAME.py)")
+    sb.add_argument("--nodes", default="1", help="nodes (default 1)")
+    sb.add_argument("--gpus-per-node", help="GPUs per node, one training process each; "
+                    "0 for CPU-only nodes")
+    sb.add_argument("--tasks-per-node", default="1",
+                    help="CPU-only nodes: training processes per node (default 1)")
+    sb.add_argument("--time", help="time limit HH:MM:SS or D-HH:MM:SS")
+    sb.add_argument("--partition", help="SLURM partition")
+    sb.add_argument("--account", help="SLURM account")
+    sb.add_argument("--cpus-per-task", help="CPUs per node for the training processes")
+    sb.add_argument("--job-name", help="job name (default deepsolve-<problem name>)")
+    sb.add_argument("--port", default="29500", help="rendezvous port on the first node "
+                    "(default 29500)")
+    sb.add_argument("--out", help="run directory (default runs/<problem name>)")
+    sb.add_argument("--dry-run", action="store_true",
+                    help="write and print the script, do not submit it")
+    sb.set_defaults(func=_cmd_submit, train_args=[])
+
     rp = sub.add_parser("report", help="summarise a run and plot it",
                         description="Print a summary of RUN_DIR/log.h5 and write loss.png, "
                         "memory.png and time.png (and metrics.png) into RUN_DIR.")
@@ -145,7 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = None
+    if argv[:1] == ["submit"] and "--" in argv:  # `submit ... -- TRAIN ARGS`
+        cut = argv.index("--")
+        argv, train_args = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    if train_args is not None:
+        args.train_args = train_args
     try:
         return args.func(args)
     except (ValueError, FloatingPointError, NotImplementedError) as e:

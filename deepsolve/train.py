@@ -51,6 +51,7 @@ class TrainResult:
     iterations: int          # iterations completed in total (including earlier, resumed ones)
     final_loss: float
     preempted: bool = False
+    rank: int = 0            # this process's rank in a distributed run (only rank 0 writes)
 
 
 def resolve_config(problem: Problem, overrides: Mapping[str, Any] | None = None,
@@ -202,10 +203,13 @@ def _check_terms(terms: Any, it: int) -> dict[str, torch.Tensor]:
     return dict(terms)
 
 
-def build(problem_path: str, cfg: dict) -> tuple[Problem, Context, str]:
+def build(problem_path: str, cfg: dict, rank: int = 0,
+          world_size: int = 1) -> tuple[Problem, Context, str]:
+    from .distributed import DistributedContext
+
     problem, sha = load_problem(problem_path)
     device = _device(cfg["device"])
-    ctx = Context(cfg, device, _DTYPES[cfg["dtype"]])
+    ctx = DistributedContext(cfg, device, _DTYPES[cfg["dtype"]], rank, world_size)
     torch.manual_seed(int(cfg["seed"]))
     np.random.seed(int(cfg["seed"]) % 2**32)
     random.seed(int(cfg["seed"]))
@@ -220,12 +224,49 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
           sets: list[str] | None = None, out: str | None = None, resume: bool = False,
           quiet: bool = False, locking: bool | None = None) -> TrainResult:
     """Train ``problem_path``'s problem; see the module docstring. Returns a
-    :class:`TrainResult`; ``preempted`` is set when a signal stopped the run early."""
-    from .io import H5Log
-    from .memory.meter import MemoryMeter
+    :class:`TrainResult`; ``preempted`` is set when a signal stopped the run early.
+
+    Under torchrun (``WORLD_SIZE > 1``) every rank trains on its shard of the batch with
+    averaged gradients, rank 0 alone writes the log and restart files, and a signal on any
+    rank stops all of them after the same iteration (see :mod:`deepsolve.distributed`)."""
+    from . import distributed as D
 
     problem0, _ = load_problem(problem_path)
     cfg = resolve_config(problem0, overrides, sets)
+    dist, cfg["device"] = D.setup(cfg["device"])
+    try:
+        res = _train(problem_path, cfg, dist, out, resume, quiet, locking)
+        D.barrier(dist)  # the others wait for rank 0's restart file and log
+        return res
+    finally:
+        D.cleanup(dist)
+
+
+class _NoLog:
+    """The log of ranks other than 0: they write nothing."""
+
+    columns: list[str] = []
+
+    def append(self, row):
+        pass
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+    def truncate_after(self, iteration):
+        return 0
+
+
+def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, quiet: bool,
+           locking: bool | None) -> TrainResult:
+    from . import distributed as D
+    from .io import H5Log
+    from .memory.meter import MemoryMeter
+
+    main = dist.is_main
     run_dir = out or os.path.join("runs", os.path.splitext(os.path.basename(problem_path))[0])
     os.makedirs(run_dir, exist_ok=True)
     log_path = os.path.join(run_dir, "log.h5")
@@ -233,8 +274,10 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
     if not resume and os.path.exists(log_path):
         raise ValueError(f"{run_dir} already holds a run (log.h5); continue it with --resume "
                          "or give a new --out directory")
+    D.barrier(dist)  # every rank has checked before rank 0 creates the log
 
-    problem, ctx, sha = build(problem_path, cfg)
+    problem, ctx, sha = build(problem_path, cfg, dist.rank, dist.world_size)
+    D.check_batch(dist, problem, ctx)
     model = ctx.model
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -250,9 +293,10 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
             scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(ctx, state["rng"])
         start = int(state["iteration"])
+    D.broadcast_model(dist, model)
 
-    log = H5Log(log_path, attrs=_attrs(problem_path, sha, cfg, ctx.device), resume=resume,
-                locking=locking)
+    attrs = dict(_attrs(problem_path, sha, cfg, ctx.device), world_size=dist.world_size)
+    log = H5Log(log_path, attrs=attrs, resume=resume, locking=locking) if main else _NoLog()
     if resume:
         log.truncate_after(start - 1)
     weights = problem.weights(ctx)
@@ -264,16 +308,18 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
     closure_opt = isinstance(optimizer, torch.optim.LBFGS)
     with torch.no_grad():  # the metric names fix the log's columns; also a baseline
         baseline = {k: float(v) for k, v in (problem.evaluate(ctx) or {}).items()}
-    bar = _progress(iterations, start, quiet)
+    bar = _progress(iterations, start, quiet or not main)
     last_loss = math.nan
     preempted = False
     it = start
     with _Preemption() as stop:
         try:
             for it in range(start, iterations):
+                D.broadcast_buffers(dist, model)
                 row, last_loss = _iteration(problem, ctx, model, params, optimizer, scheduler,
                                             weights, it, clip, closure_opt, track,
-                                            MemoryMeter)
+                                            MemoryMeter, dist)
+                _add_rank_peaks(dist, log, row, ctx.device)
                 last = it == iterations - 1
                 for k in baseline:
                     row[f"metric/{k}"] = math.nan
@@ -290,12 +336,13 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
                     log.flush()
                     raise FloatingPointError(f"the loss became {last_loss} at iteration {it}; "
                                              "lower the learning rate (--set lr=...)")
-                if stop.signal is not None or (it + 1) % ckpt_every == 0 or last:
+                stopping = D.any_rank(dist, stop.signal is not None, ctx.device)
+                if main and (stopping or (it + 1) % ckpt_every == 0 or last):
                     save_restart(restart_path, iteration=it + 1, model=model,
                                  optimizer=optimizer, scheduler=scheduler, ctx=ctx, cfg=cfg,
                                  sha=sha)
                     log.flush()
-                if stop.signal is not None:
+                if stopping:
                     preempted = True
                     it += 1
                     break
@@ -305,11 +352,29 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
             log.close()
             if bar is not None:
                 bar.close()
-    return TrainResult(run_dir, log_path, restart_path, it, last_loss, preempted)
+    return TrainResult(run_dir, log_path, restart_path, it, last_loss, preempted, dist.rank)
+
+
+def _add_rank_peaks(dist, log, row, device) -> None:
+    """Distributed runs: ``peak_device_memory_max`` and ``peak_host_memory_max``, the largest
+    peak over the ranks (``peak_device_memory``/``peak_host_memory`` stay rank 0's). Kept
+    in a resumed log that has them, left out of one that does not (columns are fixed)."""
+    from .distributed import gather_floats, nanmax
+
+    keys = ("peak_device_memory", "peak_host_memory")
+    per_rank = gather_floats(dist, [row[k] for k in keys], device)
+    if per_rank is None:
+        return
+    cols = log.columns
+    if (dist.enabled and not cols) or "peak_host_memory_max" in cols:
+        for j, k in enumerate(keys):
+            row[f"{k}_max"] = nanmax([r[j] for r in per_rank])
 
 
 def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, clip,
-               closure_opt, track, MemoryMeter):
+               closure_opt, track, MemoryMeter, dist=None):
+    from .distributed import average_gradients
+
     dev = ctx.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -326,6 +391,8 @@ def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, c
         loss = sum(float(weights.get(k, 1.0)) * v.reshape(()) for k, v in terms.items())
         tb = time.perf_counter()
         loss.backward()
+        if dist is not None and dist.enabled:  # average gradients, terms and loss over ranks
+            terms, loss = average_gradients(dist, params, terms, loss)
         timing["forward"] = tb - ta
         timing["backward"] = time.perf_counter() - tb
         timing["terms"] = terms

@@ -1,0 +1,283 @@
+"""Data-parallel training: the helpers the trainer uses under ``torchrun`` (layer 5).
+
+``python -m deepsolve train ...`` runs unchanged under ``torchrun --nproc-per-node K``: the
+launcher sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` and
+:func:`setup` joins the process group (``nccl`` for CUDA, ``gloo`` for CPU; ``--device cuda``
+becomes ``cuda:LOCAL_RANK``). Without those variables (or with ``WORLD_SIZE=1``) every helper
+here is a no-op and the run is the ordinary single-process one.
+
+How gradients are combined. Problems call ``ctx.model`` (or its parameters directly) inside
+``ctx.unroll`` steps, and the executor computes the parameters' gradients in its own reverse
+sweep (``torch.autograd.grad`` per recorded step). ``DistributedDataParallel`` only
+synchronises gradients when the forward pass goes through the DDP wrapper, so it would
+silently skip them. The trainer therefore averages gradients explicitly after every
+backward pass: all gradients of a dtype go into one flat buffer, one ``all_reduce`` sums
+them, and they are divided by the world size (:func:`average_gradients`). Each rank's loss is
+the mean over its shard of the batch (:meth:`DistributedContext.shard`), so with equal shard
+sizes the average of the ranks' gradients is exactly the gradient of the mean over the full
+batch, and batch-independent terms (priors, regularisers), which every rank computes in
+full, keep their weight. The loss terms are averaged the same way, so the log and an LBFGS
+closure see the full-batch loss on every rank.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .problem import Context
+
+__all__ = [
+    "DistInfo", "DistributedContext", "setup", "cleanup", "shard", "barrier",
+    "average_gradients", "broadcast_model", "broadcast_buffers", "any_rank", "gather_floats",
+    "check_batch", "nanmax",
+]
+
+
+@dataclass
+class DistInfo:
+    """This process's place in a run: rank, world size, local rank on its node."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str = ""
+    initialized_here: bool = False   # setup() created the process group (cleanup() ends it)
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
+
+
+def setup(device_name: str, timeout_s: float = 600.0) -> tuple[DistInfo, str]:
+    """Join the process group when ``WORLD_SIZE > 1`` (as set by torchrun); returns the
+    :class:`DistInfo` and the device this rank trains on (``cuda`` -> ``cuda:LOCAL_RANK``)."""
+    world = _env_int("WORLD_SIZE", 1)
+    if world <= 1:
+        return DistInfo(), device_name
+    rank = _env_int("RANK", 0)
+    local = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is not in 0..{world - 1} (WORLD_SIZE={world})")
+    if not torch.distributed.is_available():
+        raise ValueError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed")
+    device = device_name
+    dev = torch.device(device_name)
+    if dev.type == "cuda":
+        if dev.index is None:
+            device = f"cuda:{local}"
+        elif local_world > 1:
+            raise ValueError(f"--device {device_name} with {local_world} processes per node "
+                             "puts them all on one GPU; use --device cuda (each process takes "
+                             "cuda:LOCAL_RANK)")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(torch.device(device))
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist = torch.distributed
+    if dist.is_initialized():
+        if dist.get_world_size() != world or dist.get_rank() != rank:
+            raise ValueError(f"the process group (rank {dist.get_rank()} of "
+                             f"{dist.get_world_size()}) does not match RANK={rank} "
+                             f"WORLD_SIZE={world}")
+        return DistInfo(rank, world, local, dist.get_backend(), False), device
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise ValueError(f"WORLD_SIZE={world} but {name} is not set; start the run with "
+                             "torchrun (see docs/hpc.md)")
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=_dt.timedelta(seconds=timeout_s))
+    return DistInfo(rank, world, local, backend, True), device
+
+
+def cleanup(info: DistInfo) -> None:
+    """End the process group if :func:`setup` started it."""
+    if info.initialized_here and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        torch.distributed.barrier()
+
+
+def shard(n: int, rank: int, world: int) -> slice:
+    """This rank's contiguous part of a batch dimension of size ``n``: ``world`` blocks whose
+    sizes differ by at most one (the first ``n % world`` ranks get one more)."""
+    n, rank, world = int(n), int(rank), int(world)
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
+    if n < 0:
+        raise ValueError(f"batch size must be >= 0, got {n}")
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+class DistributedContext(Context):
+    """:class:`~deepsolve.Context` with the batch sharding of distributed runs.
+
+    ``ctx.shard(x)`` is this rank's part of ``x`` along ``dim`` (default 0), ``ctx.shard(n)``
+    and ``ctx.batch_slice(n)`` the ``slice`` of a batch of size ``n``; in a single-process run
+    they return everything. Take the mean of a loss over the shard: with batch sizes
+    divisible by the world size, the trainer's gradient average is then exactly the
+    gradient of the mean over the full batch.
+    """
+
+    def batch_slice(self, n: int) -> slice:
+        return shard(n, self.rank, self.world_size)
+
+    def shard(self, x: Any, dim: int = 0) -> Any:
+        if isinstance(x, bool) or not isinstance(x, (int, torch.Tensor)):
+            raise TypeError(f"ctx.shard takes a tensor or a batch size, got {type(x).__name__}")
+        if isinstance(x, int):
+            return self.batch_slice(x)
+        if self.world_size == 1:
+            return x
+        s = self.batch_slice(x.shape[dim])
+        return x.narrow(dim, s.start, s.stop - s.start)
+
+
+def check_batch(info: DistInfo, problem: Any, ctx: Context) -> None:
+    """With ``problem.batch_size(ctx)`` defined: refuse fewer samples than ranks, warn (rank
+    0) when the batch does not split evenly (the average of shard means then differs from
+    the full-batch mean)."""
+    fn = getattr(problem, "batch_size", None)
+    if not info.enabled or not callable(fn):
+        return
+    b = int(fn(ctx))
+    if b <= 0:
+        return
+    if b < info.world_size:
+        raise ValueError(f"batch size {b} is smaller than the number of processes "
+                         f"{info.world_size}: some ranks would get no samples")
+    if b % info.world_size and info.is_main:
+        warnings.warn(f"batch size {b} is not divisible by {info.world_size} processes; shards "
+                      "differ in size and the averaged gradient is not exactly the full-batch "
+                      "one", RuntimeWarning, stacklevel=2)
+
+
+def average_gradients(info: DistInfo, params: Sequence[torch.Tensor],
+                      terms: Mapping[str, torch.Tensor], loss: torch.Tensor
+                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Average the parameters' gradients, the loss terms and the loss over the ranks
+    (all_reduce, sum / world size); returns the averaged ``(terms, loss)`` (detached).
+
+    A parameter without a gradient on every rank keeps ``grad = None`` (optimisers skip it,
+    as in a single-process run); one with a gradient on some ranks gets the others' zeros.
+    """
+    if not info.enabled:
+        return dict(terms), loss
+    dist = torch.distributed
+    world = info.world_size
+    dev = loss.device
+    has = [p.grad is not None for p in params]
+    small = torch.tensor([float(h) for h in has], dtype=torch.float64, device=dev)
+    vals = [v.detach().reshape(()).to(dev, torch.float64) for v in terms.values()]
+    vals.append(loss.detach().reshape(()).to(dev, torch.float64))
+    small = torch.cat([small, torch.stack(vals)])
+    dist.all_reduce(small)
+    present = small[: len(params)].tolist()
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, p in enumerate(params):
+        if present[i] > 0:
+            groups.setdefault((p.dtype, p.device), []).append(i)
+    for idx in groups.values():
+        parts = []
+        for i in idx:
+            g = params[i].grad
+            if g is not None and g.is_sparse:
+                raise ValueError("distributed training does not support sparse gradients")
+            parts.append(torch.zeros_like(params[i]).reshape(-1) if g is None
+                         else g.reshape(-1))
+        flat = torch.cat(parts)
+        dist.all_reduce(flat)
+        flat.div_(world)
+        off = 0
+        for i in idx:
+            p = params[i]
+            k = p.numel()
+            p.grad = flat[off:off + k].view_as(p).clone()
+            off += k
+    for i, p in enumerate(params):
+        if present[i] == 0:
+            p.grad = None
+    avg = (small[len(params):] / world).tolist()
+    out = {k: torch.tensor(v, dtype=torch.float64) for k, v in zip(terms, avg[:-1], strict=True)}
+    return out, torch.tensor(avg[-1], dtype=torch.float64)
+
+
+def broadcast_model(info: DistInfo, model: torch.nn.Module) -> None:
+    """Give every rank rank 0's parameters and buffers."""
+    if not info.enabled:
+        return
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            torch.distributed.broadcast(t.data, src=0)
+
+
+def broadcast_buffers(info: DistInfo, model: torch.nn.Module) -> None:
+    """Rank 0's floating-point buffers (running statistics...) to every rank, before each
+    iteration, as DistributedDataParallel does."""
+    if not info.enabled:
+        return
+    with torch.no_grad():
+        for b in model.buffers():
+            if b.is_floating_point():
+                torch.distributed.broadcast(b, src=0)
+
+
+def _sync_device(info: DistInfo, device: torch.device) -> torch.device:
+    return device if info.backend == "nccl" else torch.device("cpu")
+
+
+def any_rank(info: DistInfo, flag: bool, device: torch.device | None = None) -> bool:
+    """True on every rank when ``flag`` is true on any rank (the stop flag of a signal)."""
+    if not info.enabled:
+        return bool(flag)
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64,
+                     device=_sync_device(info, device or torch.device("cpu")))
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def gather_floats(info: DistInfo, values: Sequence[float],
+                  device: torch.device | None = None) -> list[list[float]] | None:
+    """Every rank's ``values`` (per-rank peak memory...) on rank 0, indexed by rank;
+    ``None`` on the other ranks. Single process: ``[values]``."""
+    vals = [float(v) for v in values]
+    if not info.enabled:
+        return [vals]
+    dev = _sync_device(info, device or torch.device("cpu"))
+    t = torch.tensor(vals, dtype=torch.float64, device=dev)
+    out = [torch.empty_like(t) for _ in range(info.world_size)]
+    torch.distributed.all_gather(out, t)
+    if not info.is_main:
+        return None
+    return [o.tolist() for o in out]
+
+
+def nanmax(values: Sequence[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return max(finite) if finite else math.nan
