@@ -1,0 +1,179 @@
+"""problems/navier_stokes.py: reference cache, untrained model = coarse solver, loss terms,
+gradients, training reduces the misfit, evaluation metrics. Tiny grids (fine 32, coarse 16)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+
+from deepsolve.problem import Context, load_problem
+
+PROBLEM = Path(__file__).resolve().parents[1] / "problems" / "navier_stokes.py"
+
+TINY = {
+    "fine_n": 32, "coarse_n": 16, "dt": 0.02, "steps": 20, "obs_every": 10, "spinup": 0.2,
+    "n_train": 2, "n_test": 2, "batch": 2, "width": 4, "depth": 2, "lr": 1e-2,
+    "budget": "", "snapshots": 0,
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    prob, _ = load_problem(PROBLEM)
+    return prob
+
+
+def make_ctx(problem, data_dir, **over):
+    cfg = problem.config()
+    cfg.update(TINY, data_dir=str(data_dir))
+    cfg.update(over)
+    ctx = Context(cfg, torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    problem.build(ctx)
+    return ctx
+
+
+def loss_of(problem, ctx, it=0):
+    terms = problem.residuals(ctx, it)
+    w = problem.weights(ctx)
+    return terms, sum(w.get(k, 1.0) * v for k, v in terms.items())
+
+
+def test_loads_with_documented_defaults(problem):
+    import deepsolve
+
+    assert isinstance(problem, deepsolve.Problem)
+    d = problem.defaults
+    for key in ("iterations", "lr", "steps", "eval_every", "dtype", "fine_n", "coarse_n", "nu",
+                "alpha", "forcing", "forcing_k", "dt", "n_train", "n_test", "batch", "width",
+                "obs_every", "data_dir"):
+        assert key in d, key
+    assert d["dtype"] == "float32"
+    assert d["budget"] or d.get("snapshots")
+    assert d["steps"] >= 1000 and d["steps"] % d["obs_every"] == 0
+    assert d["data_dir"] == "runs/data"
+
+
+def test_reference_cache_layout_and_reuse(problem, tmp_path):
+    ctx = make_ctx(problem, tmp_path)
+    d = ctx.data
+    assert d["train_generated"] and d["test_generated"]
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 2 and all(f.endswith(".h5") for f in files)  # no temp files left
+    n_times = TINY["steps"] // TINY["obs_every"] + 1
+    for split, n in (("train", TINY["n_train"]), ("test", TINY["n_test"])):
+        path = d[f"{split}_path"]
+        assert os.path.dirname(path) == str(tmp_path)
+        with h5py.File(path, "r") as f:
+            assert f["vorticity"].shape == (n, n_times, 16, 16)
+            t = f["t"][...]
+            assert t.shape == (n_times,)
+            assert t[0] == 0 and math.isclose(t[-1], TINY["steps"] * TINY["dt"])
+            a = f.attrs
+            assert a["split"] == split and a["n_trajectories"] == n
+            for key in ("fine_n", "coarse_n", "nu", "alpha", "forcing", "forcing_k", "dt",
+                        "fine_substeps", "steps", "obs_every", "seed", "spinup"):
+                assert key in a, key
+            assert a["fine_n"] == 32 and a["coarse_n"] == 16
+            assert torch.isfinite(torch.from_numpy(f["vorticity"][...])).all()
+    with h5py.File(d["train_path"]) as f1, h5py.File(d["test_path"]) as f2:
+        assert f1.attrs["seed"] != f2.attrs["seed"]  # held-out ICs differ
+        assert not torch.allclose(torch.from_numpy(f1["vorticity"][:, 0]),
+                                  torch.from_numpy(f2["vorticity"][:, 0]))
+    mtimes = {p: os.stat(d[f"{p}_path"]).st_mtime_ns for p in ("train", "test")}
+
+    ctx2 = make_ctx(problem, tmp_path)  # the same settings: reused, not regenerated
+    assert not ctx2.data["train_generated"] and not ctx2.data["test_generated"]
+    for p in ("train", "test"):
+        assert ctx2.data[f"{p}_path"] == d[f"{p}_path"]
+        assert os.stat(d[f"{p}_path"]).st_mtime_ns == mtimes[p]
+    assert torch.equal(ctx2.data["train"], d["train"])
+
+    ctx3 = make_ctx(problem, tmp_path, nu=0.02)  # other physics: another file
+    assert ctx3.data["train_generated"]
+    assert ctx3.data["train_path"] != d["train_path"]
+
+    with open(d["test_path"], "wb") as f:  # a broken cache is regenerated
+        f.write(b"not an hdf5 file")
+    ctx4 = make_ctx(problem, tmp_path)
+    assert ctx4.data["test_generated"] and not ctx4.data["train_generated"]
+    assert torch.equal(ctx4.data["test"], d["test"])
+
+
+def test_untrained_model_is_the_coarse_solver(problem, tmp_path):
+    ctx = make_ctx(problem, tmp_path)
+    w0 = ctx.data["test"][:, 0]
+    assert torch.count_nonzero(ctx.model(w0)) == 0
+    a = problem.rollout(ctx, w0, TINY["steps"], closure=True)
+    b = problem.rollout(ctx, w0, TINY["steps"], closure=False)
+    assert torch.equal(a, b)
+    m = problem.evaluate(ctx)
+    assert m["improvement"] == 1.0 and m["rel_err_closure"] == m["rel_err_coarse"] > 0
+    assert problem.batch_size(ctx) == TINY["batch"]
+
+
+def test_residuals_and_gradients(problem, tmp_path):
+    ctx = make_ctx(problem, tmp_path)
+    terms, loss = loss_of(problem, ctx)
+    assert set(terms) == {"misfit", "closure"}
+    for v in terms.values():
+        assert isinstance(v, torch.Tensor) and v.shape == () and torch.isfinite(v)
+    assert terms["misfit"] > 0 and terms["closure"] == 0  # closure starts at zero
+    stats = ctx.unroll_stats[-1]
+    assert stats.n_steps == TINY["steps"]  # went through ctx.unroll
+    # the last layer starts at zero, so only it gets a gradient at first; after one step
+    # every parameter of the CNN does
+    opt = torch.optim.Adam(ctx.model.parameters(), lr=1e-2)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    _, loss = loss_of(problem, ctx, 1)
+    loss.backward()
+    for name, p in ctx.model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_checkpointed_gradient_matches_store_all(problem, tmp_path):
+    grads = []
+    for over in ({}, {"snapshots": 3}):
+        ctx = make_ctx(problem, tmp_path, **over)
+        with torch.no_grad():
+            for p in ctx.model.parameters():
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        _, loss = loss_of(problem, ctx)
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in ctx.model.parameters()]))
+        assert ("revolve" in ctx.unroll_stats[-1].schedule) == bool(over)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+def test_training_reduces_misfit_and_evaluate(problem, tmp_path):
+    ctx = make_ctx(problem, tmp_path)
+    opt = problem.optimizer(ctx, list(ctx.model.parameters()))
+    misfits = []
+    for it in range(8):
+        opt.zero_grad(set_to_none=True)
+        terms, loss = loss_of(problem, ctx, it)
+        loss.backward()
+        opt.step()
+        misfits.append(float(terms["misfit"].detach()))
+    assert misfits[-1] < 0.95 * misfits[0], misfits
+    with torch.no_grad():
+        m = problem.evaluate(ctx)
+    assert set(m) == {"rel_err_closure", "rel_err_coarse", "improvement"}
+    assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
+    assert m["rel_err_closure"] != m["rel_err_coarse"]
