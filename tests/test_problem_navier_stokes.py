@@ -17,7 +17,7 @@ PROBLEM = Path(__file__).resolve().parents[1] / "problems" / "navier_stokes.py"
 
 TINY = {
     "fine_n": 32, "coarse_n": 16, "dt": 0.02, "steps": 20, "obs_every": 10, "spinup": 0.2,
-    "n_train": 2, "n_test": 2, "batch": 2, "width": 4, "depth": 2, "lr": 1e-2,
+    "n_train": 2, "n_test": 2, "batch": 2, "width": 4, "depth": 2, "lr": 3e-2,
     "budget": "", "snapshots": 0,
 }
 
@@ -171,9 +171,10 @@ def test_training_reduces_misfit_and_evaluate(problem, tmp_path):
         loss.backward()
         opt.step()
         misfits.append(float(terms["misfit"].detach()))
-    assert misfits[-1] < 0.95 * misfits[0], misfits
+    assert misfits[-1] < 0.9 * misfits[0], misfits
+    assert all(misfits[k + 1] < misfits[k] for k in range(len(misfits) - 1)), misfits
     with torch.no_grad():
         m = problem.evaluate(ctx)
     assert set(m) == {"rel_err_closure", "rel_err_coarse", "improvement"}
     assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
-    assert m["rel_err_closure"] != m["rel_err_coarse"]
+    assert m["improvement"] > 1.0  # the closure already beats the coarse solver here

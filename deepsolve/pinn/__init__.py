@@ -1,0 +1,52 @@
+"""Physics-informed neural networks: residual losses built from derivatives of a network.
+
+* :mod:`.derivatives` — gradient, partial derivatives of any order, divergence, Laplacian,
+  Jacobian, Hessian and a one-pass :func:`jet`, on ``torch.func`` (``backend="func"``) or
+  plain autograd (``backend="autograd"``); differentiable w.r.t. the network's parameters.
+* :mod:`.geometry` — :class:`Interval`, :class:`Rectangle`, :class:`Box`, :class:`SpaceTime`
+  with uniform, Sobol, Halton and Latin-hypercube sampling of interior, boundary and initial
+  points, boundary normals.
+* :mod:`.sampling` — :class:`Collocation` sets that resample every K iterations and grow by
+  residual-based adaptive refinement (RAR).
+* :mod:`.weighting` — fixed weights and learning-rate annealing (:func:`make_weights`).
+* :mod:`.chunked` — mean squared residuals over large sets in recomputed chunks whose size
+  follows a memory budget (:class:`ChunkedResidual`).
+* :mod:`.optim` — :class:`AdamLBFGS`, Adam then L-BFGS.
+
+See docs/pinn.md.
+"""
+
+from .chunked import (
+    ChunkedResidual,
+    SavedBytes,
+    bytes_per_point,
+    chunk_size_for_budget,
+    chunked_mse,
+    chunked_sum,
+)
+from .derivatives import (
+    Jet,
+    divergence,
+    gradient,
+    hessian,
+    jacobian,
+    jet,
+    laplacian,
+    partial,
+    pointwise,
+)
+from .geometry import Box, Interval, Rectangle, SpaceTime, unit_samples
+from .optim import AdamLBFGS
+from .sampling import Collocation, residual_magnitude, select_largest
+from .weighting import AnnealingWeights, FixedWeights, Weights, make_weights
+
+__all__ = [
+    "Jet", "jet", "jacobian", "gradient", "hessian", "partial", "laplacian", "divergence",
+    "pointwise",
+    "Box", "Interval", "Rectangle", "SpaceTime", "unit_samples",
+    "Collocation", "residual_magnitude", "select_largest",
+    "Weights", "FixedWeights", "AnnealingWeights", "make_weights",
+    "SavedBytes", "bytes_per_point", "chunk_size_for_budget", "chunked_sum", "chunked_mse",
+    "ChunkedResidual",
+    "AdamLBFGS",
+]

@@ -1,0 +1,145 @@
+r"""Adam, then L-BFGS: the usual PINN optimiser schedule, as one optimizer object.
+
+:class:`AdamLBFGS` takes ``switch_at`` Adam steps, then L-BFGS steps (``torch.optim.LBFGS``
+with a strong-Wolfe line search; ``max_iter`` inner iterations per step). It is a subclass of
+``torch.optim.LBFGS``, so deepsolve's trainer calls ``step(closure)`` for every step of both
+phases (it does so for any ``LBFGS`` instance); the closure recomputes the loss and its
+gradient, which is all Adam needs as well.
+
+* The phase follows the optimizer's own step count (saved in its ``state_dict``), so a
+  resumed run continues in the right phase.
+* Loss rescaling (``rescale=True``): ``torch.optim.LBFGS`` has absolute thresholds — it only
+  stores a curvature pair when :math:`y^\top s > 10^{-10}` and stops when the loss changes by
+  less than ``tolerance_change`` — which PINN losses of :math:`10^{-6}` and below (in float32
+  in particular) fall under, after which every step fails its line search and nothing moves.
+  The optimizer therefore hands L-BFGS the loss (and gradient) times a scale set to
+  ``1/loss`` when L-BFGS starts, and re-normalises (clearing the L-BFGS memory) whenever the
+  scaled loss has dropped below ``rescale_below``, or a step made no progress. The trainer
+  still sees and logs the true loss and gradient.
+* ``param_groups[0]["lr"]`` (what the trainer logs) holds the active phase's learning rate.
+* The trainer's gradient clipping does not apply to closure optimisers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+__all__ = ["AdamLBFGS"]
+
+
+class AdamLBFGS(torch.optim.LBFGS):
+    """Adam for ``switch_at`` steps, then L-BFGS (strong Wolfe).
+
+    Args:
+        params: the parameters (one group).
+        switch_at: number of Adam steps (0 = L-BFGS only).
+        adam_lr: Adam's learning rate; ``adam_kwargs`` go to ``torch.optim.Adam``.
+        lr, max_iter, max_eval, tolerance_grad, tolerance_change, history_size: L-BFGS
+            settings (``max_iter`` inner iterations per step).
+        rescale: normalise the loss handed to L-BFGS (see the module docstring).
+        rescale_below: re-normalise when the scaled loss is below this.
+        max_scale: the largest scale (a loss at round-off level gains nothing from more).
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], switch_at: int, adam_lr: float = 1e-3,
+                 lr: float = 1.0, max_iter: int = 20, max_eval: int | None = None,
+                 tolerance_grad: float = 1e-9, tolerance_change: float = 1e-12,
+                 history_size: int = 50, adam_kwargs: dict | None = None,
+                 rescale: bool = True, rescale_below: float = 1e-6, max_scale: float = 1e12):
+        params = list(params)
+        super().__init__(params, lr=lr, max_iter=max_iter, max_eval=max_eval,
+                         tolerance_grad=tolerance_grad, tolerance_change=tolerance_change,
+                         history_size=history_size, line_search_fn="strong_wolfe")
+        if int(switch_at) < 0:
+            raise ValueError(f"switch_at must be >= 0, got {switch_at}")
+        self.adam = torch.optim.Adam(params, lr=adam_lr, **(adam_kwargs or {}))
+        self.switch_at = int(switch_at)
+        self.lbfgs_lr = float(lr)
+        self.steps_taken = 0
+        self.rescale = bool(rescale)
+        self.rescale_below = float(rescale_below)
+        self.max_scale = float(max_scale)
+        self.scale = 0.0          # 0: set from the first L-BFGS loss
+        self.restarts = 0
+        self._show_lr()
+
+    @property
+    def phase(self) -> str:
+        """``"adam"`` or ``"lbfgs"``: what the next step does."""
+        return "adam" if self.steps_taken < self.switch_at else "lbfgs"
+
+    def _show_lr(self) -> None:
+        lr = self.adam.param_groups[0]["lr"] if self.phase == "adam" else self.lbfgs_lr
+        self.param_groups[0]["lr"] = lr
+
+    def step(self, closure: Callable[[], torch.Tensor]):  # type: ignore[override]
+        if closure is None:
+            raise ValueError("AdamLBFGS.step needs a closure that returns the loss after "
+                             "calling backward()")
+        if self.phase == "adam":
+            with torch.enable_grad():
+                loss = closure()
+            self.adam.step()
+        else:
+            self.param_groups[0]["lr"] = self.lbfgs_lr
+            loss = self._lbfgs_step(closure) if self.rescale else super().step(closure)
+        self.steps_taken += 1
+        self._show_lr()
+        return loss
+
+    def _params_with_grad(self):
+        return [p for p in self.param_groups[0]["params"] if p.grad is not None]
+
+    def _scale_for(self, loss: float) -> float:
+        if not (loss > 0 and loss < float("inf")):
+            return self.scale if self.scale > 0 else 1.0
+        return min(1.0 / loss, self.max_scale)
+
+    def _restart(self) -> None:
+        """Forget the L-BFGS memory: the next iteration starts with steepest descent."""
+        self.state[self._params[0]].clear()
+        self.restarts += 1
+
+    def _lbfgs_step(self, closure):
+        seen: list[float] = []
+
+        def scaled():
+            loss = closure()
+            value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            if self.scale <= 0:
+                self.scale = self._scale_for(value)
+            seen.append(value)
+            with torch.no_grad():
+                for p in self._params_with_grad():
+                    p.grad.mul_(self.scale)
+            return loss * self.scale
+
+        orig = super().step(scaled)
+        with torch.no_grad():  # the trainer reads the true gradient after the step
+            for p in self._params_with_grad():
+                p.grad.div_(self.scale)
+        start, end = seen[0], min(seen)  # no progress: no evaluation beat the start
+        new = self._scale_for(end)
+        if (end * self.scale < self.rescale_below and new > self.scale) or not end < start:
+            self.scale = new
+            self._restart()
+        return orig.detach() / self.scale if isinstance(orig, torch.Tensor) else orig
+
+    def state_dict(self) -> dict:  # type: ignore[override]
+        self.param_groups[0]["lr"] = self.lbfgs_lr
+        lbfgs = super().state_dict()
+        self._show_lr()
+        return {"steps_taken": self.steps_taken, "switch_at": self.switch_at,
+                "scale": self.scale, "restarts": self.restarts,
+                "adam": self.adam.state_dict(), "lbfgs": lbfgs}
+
+    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+        super().load_state_dict(state_dict["lbfgs"])
+        self.adam.load_state_dict(state_dict["adam"])
+        self.steps_taken = int(state_dict["steps_taken"])
+        self.scale = float(state_dict.get("scale", 0.0))
+        self.restarts = int(state_dict.get("restarts", 0))
+        self.lbfgs_lr = float(self.param_groups[0]["lr"])
+        self._show_lr()

@@ -1,0 +1,229 @@
+"""problems/burgers_pinn.py and problems/navier_stokes_pinn.py: references and short runs.
+
+The Cole--Hopf reference is checked against the PDE by finite differences and against its
+initial and boundary conditions; the Kovasznay solution by autograd. Both problems are
+loaded and trained for a few iterations at tiny sizes through the real trainer (Adam, then
+L-BFGS) with finite named loss terms and the documented metric keys.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from deepsolve.io.h5log import read_log
+from deepsolve.problem import Context, apply_overrides, load_problem
+from deepsolve.train import train
+
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "problems"
+BURGERS = ROOT / "burgers_pinn.py"
+KOVASZNAY = ROOT / "navier_stokes_pinn.py"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def module_of(path):
+    prob, _ = load_problem(path)
+    return prob, sys.modules[type(prob).__module__]
+
+
+# ----------------------------------------------------------------------------- Cole-Hopf
+
+
+@pytest.fixture(scope="module")
+def burgers():
+    return module_of(BURGERS)
+
+
+def fd_residual(ch, x, t, nu, hx, ht):
+    u = ch(x, t)
+    u_t = (ch(x, t + ht) - ch(x, t - ht)) / (2 * ht)
+    up, um = ch(x + hx, t), ch(x - hx, t)
+    u_x = (up - um) / (2 * hx)
+    u_xx = (up - 2 * u + um) / hx**2
+    return u_t + u * u_x - nu * u_xx, np.abs(u_t) + np.abs(u * u_x) + np.abs(nu * u_xx)
+
+
+def test_cole_hopf_satisfies_burgers(burgers):
+    _, mod = burgers
+    nu = mod.NU
+    # smooth part of the domain: central differences with h = 1e-3 (error ~ h^2 u''')
+    x, t = np.meshgrid(np.linspace(-0.95, 0.95, 39), np.linspace(0.05, 0.95, 19))
+    keep = np.abs(x) > 0.15
+    res, scale = fd_residual(mod.cole_hopf, x[keep], t[keep], nu, 1e-3, 1e-3)
+    assert np.abs(res).max() < 2e-4 * scale.max()
+    # the steep front at x = 0 (slope ~ -150): smaller steps, residual relative to the terms
+    x, t = np.meshgrid(np.linspace(-0.02, 0.02, 21), np.linspace(0.4, 0.95, 12))
+    res, scale = fd_residual(mod.cole_hopf, x, t, nu, 2e-5, 1e-5)
+    assert np.abs(res).max() < 1e-4 * scale.max()
+    assert scale.max() > 50          # the front really is steep there
+
+
+def test_cole_hopf_initial_and_boundary_conditions(burgers):
+    _, mod = burgers
+    x = np.linspace(-1, 1, 101)
+    assert np.array_equal(mod.cole_hopf(x, 0.0), -np.sin(np.pi * x))
+    np.testing.assert_allclose(mod.cole_hopf(x, 1e-7), -np.sin(np.pi * x), atol=1e-5)
+    t = np.linspace(0.01, 1.0, 50)
+    assert np.abs(mod.cole_hopf(-1.0, t)).max() < 1e-12
+    assert np.abs(mod.cole_hopf(1.0, t)).max() < 1e-12
+    # odd in x, converged in the number of quadrature nodes
+    u = mod.cole_hopf(x[:, None], t[None, :])
+    np.testing.assert_allclose(u, -mod.cole_hopf(-x[:, None], t[None, :]), atol=1e-12)
+    np.testing.assert_allclose(u, mod.cole_hopf(x[:, None], t[None, :], nodes=400), atol=1e-12)
+    with pytest.raises(ValueError, match="t >= 0"):
+        mod.cole_hopf(0.0, -1.0)
+
+
+def test_kovasznay_solution_solves_navier_stokes():
+    prob, mod = module_of(KOVASZNAY)
+    re = 20.0
+    xy = torch.rand(50, 2, dtype=torch.float64, requires_grad=True)
+    uvp = mod.kovasznay(xy, re)
+    grads = [torch.autograd.grad(uvp[:, c].sum(), xy, create_graph=True)[0] for c in range(3)]
+
+    def lap(c):
+        return sum(torch.autograd.grad(grads[c][:, i].sum(), xy, retain_graph=True)[0][:, i]
+                   for i in range(2))
+
+    u, v = uvp[:, 0], uvp[:, 1]
+    mx = u * grads[0][:, 0] + v * grads[0][:, 1] + grads[2][:, 0] - lap(0) / re
+    my = u * grads[1][:, 0] + v * grads[1][:, 1] + grads[2][:, 1] - lap(1) / re
+    div = grads[0][:, 0] + grads[1][:, 1]
+    for r in (mx, my, div):
+        assert r.abs().max() < 1e-12
+
+
+# ----------------------------------------------------------------------------- problems
+
+TINY_NS = ["n_interior=64", "n_boundary=40", "width=8", "depth=2", "test_grid=11",
+           "adam_iterations=3", "lbfgs_iters=3", "eval_every=2"]
+TINY_BURGERS = ["n_collocation=64", "n_data=30", "width=8", "depth=2", "adam_iterations=3",
+                "lbfgs_iters=3", "eval_every=2", "quad_nodes=60"]
+CASES = [
+    (KOVASZNAY, TINY_NS, {"momentum_x", "momentum_y", "continuity", "bc_u", "bc_v", "bc_p"},
+     {"u_rel_l2", "v_rel_l2", "p_rel_l2", "max_rel_l2"}),
+    (BURGERS, TINY_BURGERS, {"pde", "initial", "boundary"}, {"u_rel_l2", "u_max_error"}),
+]
+
+
+@pytest.mark.parametrize("path,tiny,terms,metrics", CASES, ids=["kovasznay", "burgers"])
+def test_defaults_and_documented_keys(path, tiny, terms, metrics):
+    prob, mod = module_of(path)
+    cfg = prob.config()
+    for key in ("iterations", "adam_iterations", "lbfgs_iters", "derivatives", "weighting",
+                "sampling", "residual_budget", "resample_every", "rar_every"):
+        assert key in cfg
+    assert cfg["iterations"] > cfg["adam_iterations"]
+    assert set(mod.TERMS) == terms and set(mod.METRICS) == metrics
+    doc = mod.__doc__
+    for name in terms | metrics:
+        assert f"``{name}``" in doc
+
+
+@pytest.mark.parametrize("path,tiny,terms,metrics", CASES, ids=["kovasznay", "burgers"])
+def test_a_few_iterations_through_the_trainer(tmp_path, path, tiny, terms, metrics):
+    res = train(str(path), sets=tiny, overrides={"iterations": 5}, out=str(tmp_path / "run"),
+                quiet=True)
+    assert res.iterations == 5 and math.isfinite(res.final_loss)
+    log = read_log(res.log_path)
+    assert log.n_rows == 5
+    for k in terms:
+        col = log.columns[f"loss/{k}"]
+        assert np.isfinite(col).all()
+    for k in metrics:
+        col = log.columns[f"metric/{k}"]
+        assert np.isfinite(col[-1]) and 0 <= col[-1] < 1e3
+    lr = log.columns["lr"]
+    assert lr[0] == pytest.approx(1e-3) and lr[-1] == pytest.approx(1.0)  # Adam, then L-BFGS
+
+
+@pytest.mark.parametrize("path,tiny", [(KOVASZNAY, TINY_NS), (BURGERS, TINY_BURGERS)],
+                         ids=["kovasznay", "burgers"])
+def test_options_func_annealing_chunks_rar(path, tiny):
+    """torch.func derivatives, annealed weights, a chunked residual and RAR give the same
+    kind of loss terms; the chunked loss equals the unchunked one."""
+    prob, _ = load_problem(path)
+    base = apply_overrides(prob.config(), tiny + ["dtype=float64"])
+    losses = {}
+    for name, extra in {
+        "plain": [],
+        "func": ["derivatives=func"],
+        "chunked": ["residual_budget=20kB"],
+    }.items():
+        cfg = apply_overrides(base, extra)
+        ctx = Context(cfg, torch.device("cpu"), torch.float64)
+        torch.manual_seed(0)
+        prob.build(ctx)
+        terms = prob.residuals(ctx, 0)
+        losses[name] = {k: float(v.detach()) for k, v in terms.items()}
+        if name == "chunked":
+            assert ctx.data["residual"].chunk_size(torch.zeros(64, 2, dtype=torch.float64)) < 64
+    for k, v in losses["plain"].items():
+        assert losses["func"][k] == pytest.approx(v, rel=1e-10)
+        assert losses["chunked"][k] == pytest.approx(v, rel=1e-10)
+
+    cfg = apply_overrides(base, ["weighting=annealing", "anneal_every=1", "rar_every=1",
+                                 "rar_pool=200", "rar_add=5"])
+    ctx = Context(cfg, torch.device("cpu"), torch.float64)
+    torch.manual_seed(0)
+    prob.build(ctx)
+    w = prob.weights(ctx)
+    before = dict(w)
+    prob.residuals(ctx, 0)
+    assert dict(w) != before                                   # the weights adapted in place
+    n0 = len(next(v for v in ctx.data.values() if hasattr(v, "refine")))
+    prob.residuals(ctx, 1)
+    n1 = len(next(v for v in ctx.data.values() if hasattr(v, "refine")))
+    assert n1 == n0 + 5                                        # RAR added its points
+    with torch.no_grad():
+        m = prob.evaluate(ctx)
+    assert any(k.startswith("weight_") for k in m)
+
+
+def test_resume_continues_in_the_lbfgs_phase(tmp_path):
+    out = str(tmp_path / "run")
+    train(str(KOVASZNAY), sets=TINY_NS, overrides={"iterations": 4}, out=out, quiet=True)
+    res = train(str(KOVASZNAY), sets=TINY_NS, overrides={"iterations": 6}, out=out,
+                resume=True, quiet=True)
+    log = read_log(res.log_path)
+    assert list(log.columns["iteration"]) == list(range(6))
+    assert log.columns["lr"][-1] == pytest.approx(1.0)
+    assert np.isfinite(log.columns["loss"]).all()
+
+
+@pytest.mark.parametrize("path,tiny", [(KOVASZNAY, TINY_NS), (BURGERS, TINY_BURGERS)],
+                         ids=["kovasznay", "burgers"])
+def test_problem_state_round_trips(path, tiny):
+    """Annealed weights and RAR points survive state_dict/load_state_dict (and torch.save)."""
+    import io
+
+    prob, _ = load_problem(path)
+    cfg = apply_overrides(prob.config(), tiny + ["weighting=annealing", "anneal_every=1",
+                                                 "rar_every=1", "rar_pool=100", "rar_add=3"])
+    ctx = Context(cfg, torch.device("cpu"), torch.float32)
+    prob.build(ctx)
+    prob.residuals(ctx, 0)
+    prob.residuals(ctx, 1)
+    buf = io.BytesIO()
+    torch.save(prob.state_dict(ctx), buf)
+    fresh = Context(cfg, torch.device("cpu"), torch.float32)
+    prob.build(fresh)
+    buf.seek(0)
+    prob.load_state_dict(fresh, torch.load(buf, weights_only=True))
+    assert dict(prob.weights(fresh)) == dict(prob.weights(ctx))
+    key = "interior" if "interior" in ctx.data else "collocation"
+    assert torch.equal(fresh.data[key].points(1), ctx.data[key].points(1))
