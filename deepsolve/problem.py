@@ -64,6 +64,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "eval_every": 10,        # iterations between Problem.evaluate calls (0 = only at the end)
     "checkpoint_every": 25,  # iterations between restart files
     "grad_clip": 0.0,        # clip the global gradient norm (0 = off)
+    "memory_every": 1,       # CPU runs with a budget: measure tracked memory every N iterations
 }
 
 

@@ -305,6 +305,7 @@ def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, qu
     ckpt_every = max(int(cfg["checkpoint_every"]), 1)
     clip = float(cfg["grad_clip"]) or math.inf
     track = ctx.device.type == "cpu" and bool(cfg["budget"])
+    memory_every = max(int(cfg.get("memory_every", 1)), 1)
     closure_opt = isinstance(optimizer, torch.optim.LBFGS)
     with torch.no_grad():  # the metric names fix the log's columns; also a baseline
         baseline = {k: float(v) for k, v in (problem.evaluate(ctx) or {}).items()}
@@ -317,7 +318,8 @@ def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, qu
             for it in range(start, iterations):
                 D.broadcast_buffers(dist, model)
                 row, last_loss = _iteration(problem, ctx, model, params, optimizer, scheduler,
-                                            weights, it, clip, closure_opt, track,
+                                            weights, it, clip, closure_opt,
+                                            track and it % memory_every == 0,
                                             MemoryMeter, dist)
                 _add_rank_peaks(dist, log, row, ctx.device)
                 last = it == iterations - 1
