@@ -227,3 +227,16 @@ def test_problem_state_round_trips(path, tiny):
     assert dict(prob.weights(fresh)) == dict(prob.weights(ctx))
     key = "interior" if "interior" in ctx.data else "collocation"
     assert torch.equal(fresh.data[key].points(1), ctx.data[key].points(1))
+
+
+def test_the_trainer_applies_annealed_weights(tmp_path):
+    """The trainer keeps the dict weights(ctx) returned: in-place updates reach the loss."""
+    res = train(str(KOVASZNAY), sets=TINY_NS + ["weighting=annealing", "anneal_every=1",
+                                                "eval_every=1", "dtype=float64"],
+                overrides={"iterations": 3}, out=str(tmp_path / "run"), quiet=True)
+    c = read_log(res.log_path).columns
+    w = {k: c[f"metric/weight_{k}"] for k in ("bc_u", "bc_v", "bc_p")}
+    assert all(abs(v[0] - 1.0) > 1e-6 for v in w.values())
+    total = sum(c[f"loss/{k}"] for k in ("momentum_x", "momentum_y", "continuity"))
+    total = total + sum(w[k] * c[f"loss/{k}"] for k in w)
+    np.testing.assert_allclose(c["loss"], total, rtol=1e-10)
