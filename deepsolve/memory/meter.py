@@ -59,12 +59,15 @@ class MemoryMeter:
     def _pack(self, t: torch.Tensor):
         if t.is_leaf and t.requires_grad:
             return t
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
+        try:
+            st = t.untyped_storage()
+            ptr, nbytes = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):  # torch.func wrappers have no storage
+            ptr, nbytes = ("tensor", id(t)), t.numel() * t.element_size()
         entry = self._storages.get(ptr)
         if entry is None:
-            self._storages[ptr] = [1, st.nbytes()]
-            self.saved_live += st.nbytes()
+            self._storages[ptr] = [1, nbytes]
+            self.saved_live += nbytes
             self._sample()
         else:
             entry[0] += 1
