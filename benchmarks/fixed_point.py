@@ -39,24 +39,13 @@ import weakref
 
 import torch
 
+from deepsolve.memory.meter import process_status, reset_high_water_mark
+
 WIDTH, BATCH, TOL = 256, 64, 1e-5
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class SavedBytes:
@@ -176,11 +165,11 @@ def child(mode: str, method: str, rho: float, picard_iters: int, repeats: int) -
     torch.set_num_threads(1)
     if mode == "rss":  # run with MALLOC_MMAP_THRESHOLD_ low: freed tensors leave the RSS
         run_once(method, rho, picard_iters)  # warm-up (lazy initialisation)
-        if not _reset_hwm():
+        if not reset_high_water_mark():
             return {"rss_bytes": float("nan")}
-        base = _status("VmRSS")
+        base = process_status("VmRSS")
         run_once(method, rho, picard_iters)
-        return {"rss_bytes": _status("VmHWM") - base}
+        return {"rss_bytes": process_status("VmHWM") - base}
     ref = reference(rho)
     run_once(method, rho, picard_iters)  # warm-up
     runs = [run_once(method, rho, picard_iters) for _ in range(repeats)]

@@ -30,25 +30,14 @@ import weakref
 
 import torch
 
+from deepsolve.memory.meter import process_status, reset_high_water_mark
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class SavedBytes:
@@ -133,8 +122,8 @@ def child(method: str, T: int, s: int, out: str) -> dict:
 
     w = w0.detach().clone().requires_grad_()
     hooks = SavedBytes()
-    can_reset = _reset_hwm()
-    base = _status("VmRSS")
+    can_reset = reset_high_water_mark()
+    base = process_status("VmRSS")
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
         if method == "plain":
@@ -161,7 +150,7 @@ def child(method: str, T: int, s: int, out: str) -> dict:
         loss = (y**2).mean()
         loss.backward()
     wall = time.perf_counter() - t0
-    peak = _status("VmHWM") - base if can_reset else _status("VmHWM")
+    peak = process_status("VmHWM") - base if can_reset else process_status("VmHWM")
     torch.save([w.grad, *[p.grad for p in params]], out)
     row = {
         "method": method, "T": T, "s": s, "wall": wall, "peak_rss": peak,

@@ -20,10 +20,11 @@ import weakref
 
 import torch
 
-__all__ = ["MemoryMeter", "host_high_water_mark"]
+__all__ = ["MemoryMeter", "host_high_water_mark", "reset_high_water_mark", "process_status"]
 
 
-def _status(key: str) -> int:
+def process_status(key: str) -> int:
+    """A byte count from /proc/self/status (``"VmRSS:"``, ``"VmHWM:"``), 0 where missing."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -34,9 +35,19 @@ def _status(key: str) -> int:
     return 0
 
 
+def reset_high_water_mark() -> bool:
+    """Reset VmHWM to the current resident size (/proc/self/clear_refs); False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def host_high_water_mark() -> int:
     """The process's peak resident set size in bytes (VmHWM), 0 where unavailable."""
-    return _status("VmHWM:")
+    return process_status("VmHWM:")
 
 
 class MemoryMeter:
@@ -102,13 +113,8 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             self._cuda_base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.host_reset = True
-        except OSError:
-            self.host_reset = False
-        self._host_base = _status("VmRSS:")
+        self.host_reset = reset_high_water_mark()
+        self._host_base = process_status("VmRSS:")
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -122,7 +128,7 @@ class MemoryMeter:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.cuda_peak = torch.cuda.max_memory_allocated(self.device) - self._cuda_base
-        hwm = _status("VmHWM:")
+        hwm = process_status("VmHWM:")
         self.host_peak = hwm - self._host_base if self.host_reset else hwm
 
 

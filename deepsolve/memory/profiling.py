@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..executor import _graph_leaves
+
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
 
@@ -151,7 +153,7 @@ def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile
         t1 = time.perf_counter()
         roots = [t for t in (*y, *out) if t.requires_grad]
         in_ids = {id(t) for t in x_in}
-        found = [p for p in (_leaves_of(roots) if params is None else list(params))
+        found = [p for p in (_graph_leaves(roots, {}, 0, set()) if params is None else list(params))
                  if id(p) not in in_ids]
         inputs = [t for t in x_in if t.requires_grad] + [p for p in found if p.requires_grad]
         if roots and inputs:
@@ -186,19 +188,3 @@ def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
-
-
-def _leaves_of(roots) -> list[torch.Tensor]:
-    found, seen = {}, set()
-    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        var = getattr(node, "variable", None)
-        if var is not None:
-            found[id(var)] = var
-            continue
-        todo.extend(f for f, _ in node.next_functions)
-    return list(found.values())
