@@ -141,6 +141,12 @@ class Problem:
         optimizer(ctx, params) -> torch.optim.Optimizer: default Adam with ``cfg.lr``.
         batch_size(ctx) -> int: the size of the batch dimension that distributed runs shard
             (0 = not shardable).
+        state_dict(ctx) -> dict / load_state_dict(ctx, state): problem state beyond the
+            model and optimiser that a restart needs (adapted loss weights, refined
+            collocation points, the precision the run has switched to); tensors, numbers,
+            strings and containers of them. The trainer saves it in every restart file and
+            calls ``load_state_dict`` on resume *before* loading the model and optimiser, so
+            it may change the model's dtype first. Default: nothing.
     """
 
     defaults: dict[str, Any] = {}
@@ -160,6 +166,12 @@ class Problem:
 
     def optimizer(self, ctx: Context, params) -> torch.optim.Optimizer:
         return torch.optim.Adam(params, lr=ctx.cfg.lr)
+
+    def state_dict(self, ctx: Context) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, ctx: Context, state: dict[str, Any]) -> None:
+        return None
 
     def config(self) -> dict[str, Any]:
         """Trainer defaults updated with this problem's ``defaults``."""

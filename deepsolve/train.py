@@ -109,7 +109,7 @@ def _set_rng_state(ctx: Context, state: dict[str, Any]) -> None:
 
 
 def save_restart(path: str, *, iteration: int, model, optimizer, scheduler, ctx: Context,
-                 cfg: dict, sha: str) -> None:
+                 cfg: dict, sha: str, problem_state: dict | None = None) -> None:
     """Write the restart file atomically: a temporary file in the same directory, fsync,
     then ``os.replace`` — a kill at any moment leaves the previous restart file intact."""
     payload = {
@@ -120,6 +120,7 @@ def save_restart(path: str, *, iteration: int, model, optimizer, scheduler, ctx:
         "rng": _rng_state(ctx),
         "config": json.dumps(cfg, default=str),
         "problem_sha256": sha,
+        "problem": problem_state or {},
     }
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -287,6 +288,7 @@ def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, qu
     start = 0
     if resume:
         state = load_restart(restart_path)
+        problem.load_state_dict(ctx, state.get("problem") or {})  # may change the dtype
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if scheduler is not None and state.get("scheduler"):
@@ -342,7 +344,7 @@ def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, qu
                 if main and (stopping or (it + 1) % ckpt_every == 0 or last):
                     save_restart(restart_path, iteration=it + 1, model=model,
                                  optimizer=optimizer, scheduler=scheduler, ctx=ctx, cfg=cfg,
-                                 sha=sha)
+                                 sha=sha, problem_state=problem.state_dict(ctx))
                     log.flush()
                 if stopping:
                     preempted = True

@@ -64,7 +64,16 @@ import torch
 from scipy.special import roots_hermite
 
 import deepsolve
-from deepsolve.pinn import AdamLBFGS, ChunkedResidual, Collocation, Rectangle, jet, make_weights
+from deepsolve.pinn import (
+    FNN,
+    AdamLBFGS,
+    ChunkedResidual,
+    Collocation,
+    Rectangle,
+    jet,
+    make_weights,
+    switch_precision,
+)
 
 TERMS = ("pde", "initial", "boundary")
 METRICS = ("u_rel_l2", "u_max_error")
@@ -92,29 +101,6 @@ def cole_hopf(x, t, nu: float = NU, nodes: int = 200) -> np.ndarray:
     return out.reshape(shape)
 
 
-class MLP(torch.nn.Module):
-    """``tanh`` network with Glorot-normal weights and zero biases; inputs mapped from
-    ``[lo, hi]`` to ``[-1, 1]``; scalar output (``(N,)`` for ``(N, 2)``, ``()`` per point)."""
-
-    def __init__(self, width: int, depth: int, lo=(-1.0, 0.0), hi=(1.0, 1.0)):
-        super().__init__()
-        dims = [2] + [width] * depth + [1]
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b)
-                                          for a, b in zip(dims[:-1], dims[1:], strict=True))
-        for layer in self.layers:
-            torch.nn.init.xavier_normal_(layer.weight)
-            torch.nn.init.zeros_(layer.bias)
-        lo_t, hi_t = torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64)
-        self.register_buffer("scale", (2.0 / (hi_t - lo_t)).float())
-        self.register_buffer("shift", (-1.0 - 2.0 * lo_t / (hi_t - lo_t)).float())
-
-    def forward(self, x):
-        h = x * self.scale + self.shift
-        for layer in self.layers[:-1]:
-            h = torch.tanh(layer(h))
-        return self.layers[-1](h)[..., 0]
-
-
 class BurgersPINN(deepsolve.Problem):
     defaults = {
         # trainer
@@ -122,18 +108,21 @@ class BurgersPINN(deepsolve.Problem):
         "lr": 1e-3,                # Adam learning rate
         "eval_every": 10,
         "checkpoint_every": 100,
-        "dtype": "float64",
+        "dtype": "float32",        # precision of the Adam phase
         # optimiser
         "optimizer": "adam+lbfgs",  # "adam+lbfgs", "adam" or "lbfgs"
         "adam_iterations": 1000,
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
+        "switch_at": 1000,         # iteration from which the run is in switch_dtype (-1 never)
+        "switch_dtype": "float64",
         # physics
         "nu": NU,
         # network
         "width": 20,
         "depth": 8,
-        "derivatives": "autograd",  # "func" (torch.func) or "autograd"
+        "derivatives": "taylor",   # "taylor" (one pass), "func" (torch.func) or "autograd"
+        "compile": True,           # torch.compile the residual
         # points
         "n_collocation": 10000,
         "n_data": 100,             # initial + boundary points (Raissi's N_u)
@@ -178,7 +167,8 @@ class BurgersPINN(deepsolve.Problem):
         def t_(a):
             return torch.as_tensor(a, dtype=torch.float64).to(dtype=dtype, device=device)
 
-        ctx.model = MLP(int(cfg.width), int(cfg.depth)).to(device=device, dtype=dtype)
+        ctx.model = FNN(2, 1, int(cfg.width), int(cfg.depth), lo=(-1.0, 0.0), hi=(1.0, 1.0),
+                        scalar=True).to(device=device, dtype=dtype)
         # weights adapt during Adam only: L-BFGS needs one fixed objective
         adam = {"adam+lbfgs": int(cfg.adam_iterations), "lbfgs": 0}.get(str(cfg.optimizer))
         weights = make_weights(str(cfg.weighting), {k: 1.0 for k in TERMS}, reference=("pde",),
@@ -194,15 +184,21 @@ class BurgersPINN(deepsolve.Problem):
             "test": t_(np.stack([X.ravel(), T.ravel()], 1)),
             "test_exact": t_(exact.ravel()),
             "weights": weights,
-            "residual": ChunkedResidual(lambda x: self.pde(ctx, x),
+            "residual": ChunkedResidual(self._pde_fn(ctx),
                                         params=list(ctx.model.parameters()),
                                         budget=str(cfg.residual_budget or cfg.budget)
                                         or None),
         }
 
+    def _pde_fn(self, ctx):
+        def fn(x):
+            return self.pde(ctx, x)
+
+        return torch.compile(fn) if bool(ctx.cfg.compile) else fn
+
     def pde(self, ctx, x):
         """Residual ``u_t + u u_x - nu u_xx`` at points ``(N, 2)`` of ``(x, t)``, ``(N,)``."""
-        j = jet(ctx.model, x, 2, backend=str(ctx.cfg.derivatives), hessian_dims=(0,))
+        j = jet(ctx.model, x, 2, backend=str(ctx.cfg.derivatives), hessian_pairs=((0, 0),))
         u = j.value
         u_x, u_t = j.jacobian[:, 0], j.jacobian[:, 1]
         u_xx = j.d(None, 0, 0)
@@ -219,6 +215,14 @@ class BurgersPINN(deepsolve.Problem):
         name = str(ctx.cfg.optimizer)
         return max(int(ctx.cfg.adam_iterations) - 1, 0) if name == "adam+lbfgs" else 0
 
+    def _switch_precision(self, ctx, iteration):
+        """From iteration ``switch_at`` on, model and data are in ``switch_dtype``; called
+        by the optimizer before each step (:class:`deepsolve.pinn.AdamLBFGS`)."""
+        at = int(ctx.cfg.switch_at)
+        if at < 0 or iteration < at:
+            return False
+        return switch_precision(ctx.model, ctx.data, getattr(torch, str(ctx.cfg.switch_dtype)))
+
     def residuals(self, ctx, iteration):
         d, cfg = ctx.data, ctx.cfg
         coll = d["collocation"]
@@ -226,7 +230,7 @@ class BurgersPINN(deepsolve.Problem):
                 and self._adam_phase(ctx, iteration)):
             coll.refine(lambda x: self.pde(ctx, x), int(cfg.rar_pool), int(cfg.rar_add),
                         iteration=iteration)
-        x = coll.points(self._set_iteration(ctx, iteration))
+        x = coll.points(self._set_iteration(ctx, iteration)).to(d["test"].dtype)
         terms = {"pde": d["residual"](x)}
         terms["initial"] = (ctx.model(d["x_initial"]) - d["u_initial"]).pow(2).mean()
         terms["boundary"] = (ctx.model(d["x_boundary"]) - d["u_boundary"]).pow(2).mean()
@@ -237,24 +241,27 @@ class BurgersPINN(deepsolve.Problem):
         return ctx.data["weights"]
 
     def state_dict(self, ctx):
-        """What a restart needs beyond the model and optimiser: the (annealed) weights and
-        the collocation set (RAR points). deepsolve's trainer does not call this yet."""
+        """What a restart needs beyond the model and optimiser: the (annealed) weights, the
+        collocation set (RAR points) and the precision the run is in."""
         return {"weights": dict(ctx.data["weights"]),
-                "collocation": ctx.data["collocation"].state_dict()}
+                "collocation": ctx.data["collocation"].state_dict(),
+                "dtype": str(ctx.data["test"].dtype).removeprefix("torch.")}
 
     def load_state_dict(self, ctx, state):
+        if "dtype" in state:  # before the trainer loads the model and the optimiser
+            switch_precision(ctx.model, ctx.data, getattr(torch, state["dtype"]))
         ctx.data["weights"].update(state["weights"])
         ctx.data["collocation"].load_state_dict(state["collocation"])
 
     def optimizer(self, ctx, params):
         cfg = ctx.cfg
         name = str(cfg.optimizer).lower()
-        if name == "adam":
-            return torch.optim.Adam(params, lr=float(cfg.lr))
-        if name in ("adam+lbfgs", "lbfgs"):
-            switch = int(cfg.adam_iterations) if name == "adam+lbfgs" else 0
+        switch = {"adam": int(cfg.iterations), "adam+lbfgs": int(cfg.adam_iterations),
+                  "lbfgs": 0}.get(name)
+        if switch is not None:
             return AdamLBFGS(params, switch_at=switch, adam_lr=float(cfg.lr),
-                             max_iter=int(cfg.lbfgs_iters), history_size=int(cfg.lbfgs_history))
+                             max_iter=int(cfg.lbfgs_iters), history_size=int(cfg.lbfgs_history),
+                             on_step=lambda k: self._switch_precision(ctx, k))
         raise ValueError(f"optimizer must be 'adam+lbfgs', 'adam' or 'lbfgs', got "
                          f"{cfg.optimizer!r}")
 

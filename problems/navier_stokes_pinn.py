@@ -28,9 +28,12 @@ Model and loss
 --------------
 ``ctx.model`` is a fully connected ``tanh`` network :math:`(x, y) \mapsto (u, v, p)` with
 ``depth`` hidden layers of ``width`` units (default 4×50, Glorot-normal weights, zero
-biases). The derivatives come from :func:`deepsolve.pinn.jet` (``derivatives = "func"``:
-``torch.func`` forward-over-forward; ``"autograd"``: ``torch.autograd.grad``). Loss terms
-(``residuals``), each a mean square:
+biases; :class:`deepsolve.pinn.FNN`). The derivatives come from :func:`deepsolve.pinn.jet`
+(``derivatives = "taylor"``: value, gradient and :math:`\partial_{xx}, \partial_{yy}` pushed
+through the layers in one pass; ``"func"``: ``torch.func`` forward-over-forward;
+``"autograd"``: ``torch.autograd.grad``). ``compile = true`` compiles the residual with
+``torch.compile`` (fused kernels, about 2× faster per iteration on a CPU after ~30 s of
+compilation). Loss terms (``residuals``), each a mean square:
 
 * ``momentum_x``, ``momentum_y``, ``continuity`` — the three residuals at ``n_interior``
   interior points (scrambled Sobol by default, ``sampling``), evaluated in chunks under
@@ -48,6 +51,11 @@ the Adam phase; ``rar_every`` > 0 adds ``rar_add`` points of largest residual fr
 Optimiser: ``adam_iterations`` Adam steps (``lr``), then L-BFGS (strong Wolfe), each trainer
 iteration one L-BFGS step of up to ``lbfgs_iters`` inner iterations
 (:class:`deepsolve.pinn.AdamLBFGS`); ``iterations`` is the total number of trainer iterations.
+From iteration ``switch_at`` on (default: when L-BFGS starts) the run is in ``switch_dtype``
+(float64): it starts in ``dtype`` (float32, fast for Adam) and casts model and data then
+(:func:`deepsolve.pinn.switch_precision`, called by the optimizer between steps), because in
+float32 the L-BFGS line search stalls at a loss of about 1e-5 (round-off in the residual).
+The restart file records the switch.
 
 Metrics (``evaluate``)
 ----------------------
@@ -56,13 +64,9 @@ Metrics (``evaluate``)
 included), and ``max_rel_l2``, the largest of the three. With ``weighting = "annealing"``
 also ``weight_bc_u``, ``weight_bc_v``, ``weight_bc_p``.
 
-Reference: DeepXDE reaches :math:`u`: 2.3e-4, :math:`v`: 1.1e-3, :math:`p`: 4.9e-4 after 30000
-Adam and about 15000 L-BFGS iterations (~37 min on the 2-core CPU of this project). The
-defaults here are shorter: 2000 Adam steps and 100 L-BFGS steps (at most 5000 inner
-iterations) reached ``u_rel_l2`` 6.2e-4, ``v_rel_l2`` 2.0e-3, ``p_rel_l2`` 1.1e-3 in about 9
-minutes on that (shared) CPU. In float32 L-BFGS stalls at a loss of about 1e-5; continuing in
-float64 (``--resume --dtype float64 --iterations ...``) keeps improving — docs/pinn.md lists
-the measurements.
+Reference: DeepXDE's example reaches :math:`u`: 2.3e-4, :math:`v`: 1.1e-3, :math:`p`: 4.9e-4
+after 30000 Adam and up to 15000 L-BFGS iterations; docs/pinn.md compares the two on the
+same machine (``benchmarks/pinn_deepxde.py``) and lists the measured errors and times.
 """
 
 from __future__ import annotations
@@ -73,47 +77,19 @@ import torch
 
 import deepsolve
 from deepsolve.pinn import (
+    FNN,
     AdamLBFGS,
     ChunkedResidual,
     Collocation,
     Rectangle,
     jet,
     make_weights,
+    switch_precision,
 )
 
 TERMS = ("momentum_x", "momentum_y", "continuity", "bc_u", "bc_v", "bc_p")
 PDE_TERMS = ("momentum_x", "momentum_y", "continuity")
 METRICS = ("u_rel_l2", "v_rel_l2", "p_rel_l2", "max_rel_l2")
-
-
-class MLP(torch.nn.Module):
-    """``in_dim → width × depth (tanh) → out_dim``, Glorot-normal weights and zero biases;
-    works on one point ``(in_dim,)`` and on batches ``(N, in_dim)``. The input is mapped
-    affinely from ``[lo, hi]`` to ``[-1, 1]`` when ``lo``/``hi`` are given."""
-
-    def __init__(self, in_dim: int, out_dim: int, width: int, depth: int,
-                 lo=None, hi=None):
-        super().__init__()
-        dims = [in_dim] + [width] * depth + [out_dim]
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b)
-                                          for a, b in zip(dims[:-1], dims[1:], strict=True))
-        for layer in self.layers:
-            torch.nn.init.xavier_normal_(layer.weight)
-            torch.nn.init.zeros_(layer.bias)
-        scale, shift = torch.ones(in_dim), torch.zeros(in_dim)
-        if lo is not None and hi is not None:
-            lo_t = torch.as_tensor(lo, dtype=torch.float64)
-            hi_t = torch.as_tensor(hi, dtype=torch.float64)
-            scale = (2.0 / (hi_t - lo_t)).float()
-            shift = (-1.0 - lo_t * 2.0 / (hi_t - lo_t)).float()
-        self.register_buffer("scale", scale)
-        self.register_buffer("shift", shift)
-
-    def forward(self, x):
-        h = x * self.scale + self.shift
-        for layer in self.layers[:-1]:
-            h = torch.tanh(layer(h))
-        return self.layers[-1](h)
 
 
 def kovasznay(xy: torch.Tensor, re: float) -> torch.Tensor:
@@ -134,18 +110,21 @@ class KovasznayPINN(deepsolve.Problem):
         "lr": 1e-3,                # Adam learning rate
         "eval_every": 10,
         "checkpoint_every": 100,
-        "dtype": "float32",
+        "dtype": "float32",        # precision of the Adam phase
         # optimiser
         "optimizer": "adam+lbfgs",  # "adam+lbfgs", "adam" or "lbfgs"
         "adam_iterations": 2000,   # Adam steps before L-BFGS takes over
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
+        "switch_at": 2000,         # iteration from which the run is in switch_dtype (-1 never)
+        "switch_dtype": "float64",
         # physics
         "re": 20.0,
         # network
         "width": 50,
         "depth": 4,
-        "derivatives": "autograd",  # "func" (torch.func) or "autograd"
+        "derivatives": "taylor",   # "taylor" (one pass), "func" (torch.func) or "autograd"
+        "compile": True,           # torch.compile the residual
         # collocation
         "n_interior": 2601,
         "n_boundary": 400,
@@ -176,7 +155,7 @@ class KovasznayPINN(deepsolve.Problem):
             int(cfg.n_interior), resample_every=int(cfg.resample_every), seed=seed)
         xb = geom.sample_boundary(int(cfg.n_boundary), method, seed + 1, dtype, device)
         outflow = (xb[:, 0] - self.hi[0]).abs() < 1e-9
-        ctx.model = MLP(2, 3, int(cfg.width), int(cfg.depth)).to(device=device, dtype=dtype)
+        ctx.model = FNN(2, 3, int(cfg.width), int(cfg.depth)).to(device=device, dtype=dtype)
         test = geom.grid(int(cfg.test_grid), dtype=dtype, device=device)
         # weights adapt during Adam only: L-BFGS needs one fixed objective
         adam = {"adam+lbfgs": int(cfg.adam_iterations), "lbfgs": 0}.get(str(cfg.optimizer))
@@ -192,16 +171,23 @@ class KovasznayPINN(deepsolve.Problem):
             "test": test,
             "test_exact": kovasznay(test, float(cfg.re)),
             "weights": weights,
-            "residual": ChunkedResidual(lambda x: self.pde(ctx, x),
+            "residual": ChunkedResidual(self._pde_fn(ctx),
                                         params=list(ctx.model.parameters()),
                                         budget=str(cfg.residual_budget or cfg.budget)
                                         or None),
         }
 
     # physics ----------------------------------------------------------------------------
+    def _pde_fn(self, ctx):
+        def fn(x):
+            return self.pde(ctx, x)
+
+        return torch.compile(fn) if bool(ctx.cfg.compile) else fn
+
     def pde(self, ctx, x):
         """The three residuals at points ``x (N, 2)``: a dict of ``(N,)`` tensors."""
-        j = jet(ctx.model, x, 2, backend=str(ctx.cfg.derivatives), hessian_components=(0, 1))
+        j = jet(ctx.model, x, 2, backend=str(ctx.cfg.derivatives), hessian_components=(0, 1),
+                hessian_pairs=((0, 0), (1, 1)))
         u, v = j.value[:, 0], j.value[:, 1]
         u_x, u_y = j.jacobian[:, 0, 0], j.jacobian[:, 0, 1]
         v_x, v_y = j.jacobian[:, 1, 0], j.jacobian[:, 1, 1]
@@ -225,6 +211,14 @@ class KovasznayPINN(deepsolve.Problem):
         name = str(ctx.cfg.optimizer)
         return max(int(ctx.cfg.adam_iterations) - 1, 0) if name == "adam+lbfgs" else 0
 
+    def _switch_precision(self, ctx, iteration):
+        """From iteration ``switch_at`` on, model and data are in ``switch_dtype``; called
+        by the optimizer before each step (:class:`deepsolve.pinn.AdamLBFGS`)."""
+        at = int(ctx.cfg.switch_at)
+        if at < 0 or iteration < at:
+            return False
+        return switch_precision(ctx.model, ctx.data, getattr(torch, str(ctx.cfg.switch_dtype)))
+
     def residuals(self, ctx, iteration):
         d = ctx.data
         cfg = ctx.cfg
@@ -233,7 +227,7 @@ class KovasznayPINN(deepsolve.Problem):
                 and self._adam_phase(ctx, iteration)):
             coll.refine(lambda x: self.pde(ctx, x), int(cfg.rar_pool), int(cfg.rar_add),
                         iteration=iteration)
-        x = coll.points(self._set_iteration(ctx, iteration))
+        x = coll.points(self._set_iteration(ctx, iteration)).to(d["xb"].dtype)
         terms = dict(d["residual"](x))
         pred = ctx.model(d["xb"])
         err = pred - d["ub"]
@@ -247,24 +241,27 @@ class KovasznayPINN(deepsolve.Problem):
         return ctx.data["weights"]
 
     def state_dict(self, ctx):
-        """What a restart needs beyond the model and optimiser: the (annealed) weights and
-        the collocation set (RAR points). deepsolve's trainer does not call this yet."""
+        """What a restart needs beyond the model and optimiser: the (annealed) weights, the
+        collocation set (RAR points) and the precision the run is in."""
         return {"weights": dict(ctx.data["weights"]),
-                "collocation": ctx.data["interior"].state_dict()}
+                "collocation": ctx.data["interior"].state_dict(),
+                "dtype": str(ctx.data["xb"].dtype).removeprefix("torch.")}
 
     def load_state_dict(self, ctx, state):
+        if "dtype" in state:  # before the trainer loads the model and the optimiser
+            switch_precision(ctx.model, ctx.data, getattr(torch, state["dtype"]))
         ctx.data["weights"].update(state["weights"])
         ctx.data["interior"].load_state_dict(state["collocation"])
 
     def optimizer(self, ctx, params):
         cfg = ctx.cfg
         name = str(cfg.optimizer).lower()
-        if name == "adam":
-            return torch.optim.Adam(params, lr=float(cfg.lr))
-        if name in ("adam+lbfgs", "lbfgs"):
-            switch = int(cfg.adam_iterations) if name == "adam+lbfgs" else 0
+        switch = {"adam": int(cfg.iterations), "adam+lbfgs": int(cfg.adam_iterations),
+                  "lbfgs": 0}.get(name)
+        if switch is not None:
             return AdamLBFGS(params, switch_at=switch, adam_lr=float(cfg.lr),
-                             max_iter=int(cfg.lbfgs_iters), history_size=int(cfg.lbfgs_history))
+                             max_iter=int(cfg.lbfgs_iters), history_size=int(cfg.lbfgs_history),
+                             on_step=lambda k: self._switch_precision(ctx, k))
         raise ValueError(f"optimizer must be 'adam+lbfgs', 'adam' or 'lbfgs', got "
                          f"{cfg.optimizer!r}")
 

@@ -110,9 +110,9 @@ def test_kovasznay_solution_solves_navier_stokes():
 # ----------------------------------------------------------------------------- problems
 
 TINY_NS = ["n_interior=64", "n_boundary=40", "width=8", "depth=2", "test_grid=11",
-           "adam_iterations=3", "lbfgs_iters=3", "eval_every=2"]
+           "compile=false", "adam_iterations=3", "lbfgs_iters=3", "eval_every=2"]
 TINY_BURGERS = ["n_collocation=64", "n_data=30", "width=8", "depth=2", "adam_iterations=3",
-                "lbfgs_iters=3", "eval_every=2", "quad_nodes=60"]
+                "lbfgs_iters=3", "eval_every=2", "quad_nodes=60", "compile=false"]
 CASES = [
     (KOVASZNAY, TINY_NS, {"momentum_x", "momentum_y", "continuity", "bc_u", "bc_v", "bc_p"},
      {"u_rel_l2", "v_rel_l2", "p_rel_l2", "max_rel_l2"}),
@@ -194,15 +194,62 @@ def test_options_func_annealing_chunks_rar(path, tiny):
     assert any(k.startswith("weight_") for k in m)
 
 
-def test_resume_continues_in_the_lbfgs_phase(tmp_path):
+@pytest.mark.parametrize("path,tiny,at", [(KOVASZNAY, TINY_NS, 3), (BURGERS, TINY_BURGERS, 3),
+                                          (KOVASZNAY, TINY_NS, 1), (KOVASZNAY, TINY_NS, 4)],
+                         ids=["kovasznay-at-lbfgs", "burgers-at-lbfgs", "in-adam", "in-lbfgs"])
+def test_switch_to_float64_and_resume_in_it(tmp_path, path, tiny, at):
+    """float32, then float64 from iteration ``switch_at`` (at the Adam → L-BFGS switch,
+    during Adam, during L-BFGS): the restart file records it, a resumed run loads the float64
+    weights without rounding them and continues; the log is complete and the resumed run
+    equals an uninterrupted one."""
+    tiny = tiny + [f"switch_at={at}"]
     out = str(tmp_path / "run")
-    train(str(KOVASZNAY), sets=TINY_NS, overrides={"iterations": 4}, out=out, quiet=True)
-    res = train(str(KOVASZNAY), sets=TINY_NS, overrides={"iterations": 6}, out=out,
+    res = train(str(path), sets=tiny, overrides={"iterations": 4}, out=out, quiet=True)
+    state = torch.load(res.restart_path, weights_only=True)
+    want = torch.float64 if at < 4 else torch.float32
+    assert state["problem"]["dtype"] == str(want).removeprefix("torch.")
+    assert all(v.dtype == want for v in state["model"].values())
+    res = train(str(path), sets=tiny, overrides={"iterations": 6}, out=out,
                 resume=True, quiet=True)
+    state = torch.load(res.restart_path, weights_only=True)
+    assert all(v.dtype == torch.float64 for v in state["model"].values())
     log = read_log(res.log_path)
     assert list(log.columns["iteration"]) == list(range(6))
     assert log.columns["lr"][-1] == pytest.approx(1.0)
     assert np.isfinite(log.columns["loss"]).all()
+    whole = train(str(path), sets=tiny, overrides={"iterations": 6},
+                  out=str(tmp_path / "whole"), quiet=True)
+    ref = read_log(whole.log_path).columns["loss"]
+    np.testing.assert_allclose(log.columns["loss"], ref, rtol=1e-9)
+    a = torch.load(res.restart_path, weights_only=True)["model"]
+    b = torch.load(whole.restart_path, weights_only=True)["model"]
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-9, atol=1e-12)
+
+
+def test_float32_run_without_switch_stays_float32(tmp_path):
+    res = train(str(KOVASZNAY), sets=TINY_NS + ["switch_at=-1"], overrides={"iterations": 4},
+                out=str(tmp_path / "run"), quiet=True)
+    state = torch.load(res.restart_path, weights_only=True)
+    assert state["problem"]["dtype"] == "float32"
+    assert all(v.dtype == torch.float32 for v in state["model"].values())
+
+
+def test_compiled_residual_equals_eager():
+    prob, _ = load_problem(KOVASZNAY)
+    losses = []
+    for flag in ("false", "true"):
+        cfg = apply_overrides(prob.config(), TINY_NS + [f"compile={flag}", "dtype=float64"])
+        ctx = Context(cfg, torch.device("cpu"), torch.float64)
+        torch.manual_seed(0)
+        prob.build(ctx)
+        terms = prob.residuals(ctx, 0)
+        loss = sum(terms.values())
+        grads = torch.autograd.grad(loss, list(ctx.model.parameters()))
+        losses.append((float(loss.detach()), grads))
+    assert losses[1][0] == pytest.approx(losses[0][0], rel=1e-12)
+    for a, b in zip(losses[0][1], losses[1][1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("path,tiny", [(KOVASZNAY, TINY_NS), (BURGERS, TINY_BURGERS)],

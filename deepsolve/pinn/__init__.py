@@ -3,6 +3,8 @@
 * :mod:`.derivatives` — gradient, partial derivatives of any order, divergence, Laplacian,
   Jacobian, Hessian and a one-pass :func:`jet`, on ``torch.func`` (``backend="func"``) or
   plain autograd (``backend="autograd"``); differentiable w.r.t. the network's parameters.
+* :mod:`.networks` — :class:`FNN`, a fully connected network whose input derivatives come
+  from one forward pass (Taylor mode, ``backend="taylor"``).
 * :mod:`.geometry` — :class:`Interval`, :class:`Rectangle`, :class:`Box`, :class:`SpaceTime`
   with uniform, Sobol, Halton and Latin-hypercube sampling of interior, boundary and initial
   points, boundary normals.
@@ -11,7 +13,7 @@
 * :mod:`.weighting` — fixed weights and learning-rate annealing (:func:`make_weights`).
 * :mod:`.chunked` — mean squared residuals over large sets in recomputed chunks whose size
   follows a memory budget (:class:`ChunkedResidual`).
-* :mod:`.optim` — :class:`AdamLBFGS`, Adam then L-BFGS.
+* :mod:`.optim` — :class:`AdamLBFGS`, Adam then L-BFGS; :func:`switch_precision`.
 
 See docs/pinn.md.
 """
@@ -36,17 +38,18 @@ from .derivatives import (
     pointwise,
 )
 from .geometry import Box, Interval, Rectangle, SpaceTime, unit_samples
-from .optim import AdamLBFGS
+from .networks import ACTIVATIONS, FNN
+from .optim import AdamLBFGS, switch_precision
 from .sampling import Collocation, residual_magnitude, select_largest
 from .weighting import AnnealingWeights, FixedWeights, Weights, make_weights
 
 __all__ = [
     "Jet", "jet", "jacobian", "gradient", "hessian", "partial", "laplacian", "divergence",
-    "pointwise",
+    "pointwise", "FNN", "ACTIVATIONS",
     "Box", "Interval", "Rectangle", "SpaceTime", "unit_samples",
     "Collocation", "residual_magnitude", "select_largest",
     "Weights", "FixedWeights", "AnnealingWeights", "make_weights",
     "SavedBytes", "bytes_per_point", "chunk_size_for_budget", "chunked_sum", "chunked_mse",
     "ChunkedResidual",
-    "AdamLBFGS",
+    "AdamLBFGS", "switch_precision",
 ]

@@ -18,15 +18,42 @@ gradient, which is all Adam needs as well.
   still sees and logs the true loss and gradient.
 * ``param_groups[0]["lr"]`` (what the trainer logs) holds the active phase's learning rate.
 * The trainer's gradient clipping does not apply to closure optimisers.
+
+:func:`switch_precision` casts a model (in place, so optimisers holding its parameters stay
+valid) and the tensors of a problem's data to another dtype: the PINN problem files run Adam
+in float32 and L-BFGS in float64, where float32 round-off would stall the line search.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, MutableMapping
+from typing import Any
 
 import torch
 
-__all__ = ["AdamLBFGS"]
+__all__ = ["AdamLBFGS", "switch_precision"]
+
+
+def switch_precision(model: torch.nn.Module, data: MutableMapping[str, Any] | None,
+                     dtype: torch.dtype) -> bool:
+    """Cast ``model``'s floating parameters and buffers and the floating tensors among the
+    values of ``data`` to ``dtype``; returns whether anything changed.
+
+    The parameters stay the same ``Parameter`` objects (``Module.to`` swaps their ``.data``),
+    so an optimizer created before keeps working; state it already holds (Adam's moments)
+    keeps its old dtype, so switch where that state is no longer used — at the Adam → L-BFGS
+    switch of :class:`AdamLBFGS`, before L-BFGS builds its state."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"switch_precision needs a floating dtype, got {dtype}")
+    current = next((p.dtype for p in model.parameters() if p.is_floating_point()), dtype)
+    changed = current != dtype
+    if changed:
+        model.to(dtype=dtype)
+    for k, v in list((data or {}).items()):
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype:
+            data[k] = v.to(dtype)
+            changed = True
+    return changed
 
 
 class AdamLBFGS(torch.optim.LBFGS):
@@ -41,13 +68,19 @@ class AdamLBFGS(torch.optim.LBFGS):
         rescale: normalise the loss handed to L-BFGS (see the module docstring).
         rescale_below: re-normalise when the scaled loss is below this.
         max_scale: the largest scale (a loss at round-off level gains nothing from more).
+        on_step: called as ``on_step(k)`` before step ``k`` (the optimizer's own step
+            count, which the trainer's iteration equals); when it returns True — it changed
+            the parameters' dtype, say, by :func:`switch_precision` — the L-BFGS memory
+            and loss scale are reset, so the next L-BFGS step starts afresh. This is the
+            safe place for such a change: inside the closure L-BFGS already holds state.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], switch_at: int, adam_lr: float = 1e-3,
                  lr: float = 1.0, max_iter: int = 20, max_eval: int | None = None,
                  tolerance_grad: float = 1e-9, tolerance_change: float = 1e-12,
                  history_size: int = 50, adam_kwargs: dict | None = None,
-                 rescale: bool = True, rescale_below: float = 1e-6, max_scale: float = 1e12):
+                 rescale: bool = True, rescale_below: float = 1e-6, max_scale: float = 1e12,
+                 on_step: Callable[[int], bool] | None = None):
         params = list(params)
         super().__init__(params, lr=lr, max_iter=max_iter, max_eval=max_eval,
                          tolerance_grad=tolerance_grad, tolerance_change=tolerance_change,
@@ -63,6 +96,7 @@ class AdamLBFGS(torch.optim.LBFGS):
         self.max_scale = float(max_scale)
         self.scale = 0.0          # 0: set from the first L-BFGS loss
         self.restarts = 0
+        self.on_step = on_step
         self._show_lr()
 
     @property
@@ -78,6 +112,13 @@ class AdamLBFGS(torch.optim.LBFGS):
         if closure is None:
             raise ValueError("AdamLBFGS.step needs a closure that returns the loss after "
                              "calling backward()")
+        if self.on_step is not None and self.on_step(self.steps_taken):
+            self.state[self._params[0]].clear()
+            self.scale = 0.0
+            for st in self.adam.state.values():  # Adam's moments follow the parameters
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and k != "step":
+                        st[k] = v.to(self._params[0].dtype)
         if self.phase == "adam":
             with torch.enable_grad():
                 loss = closure()
