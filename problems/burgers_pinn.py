@@ -104,7 +104,7 @@ def cole_hopf(x, t, nu: float = NU, nodes: int = 200) -> np.ndarray:
 class BurgersPINN(deepsolve.Problem):
     defaults = {
         # trainer
-        "iterations": 1150,        # total trainer iterations: adam_iterations + L-BFGS steps
+        "iterations": 1300,        # total trainer iterations: adam_iterations + L-BFGS steps
         "lr": 1e-3,                # Adam learning rate
         "eval_every": 10,
         "checkpoint_every": 100,
@@ -114,15 +114,15 @@ class BurgersPINN(deepsolve.Problem):
         "adam_iterations": 1000,
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
-        "switch_at": 1000,         # iteration from which the run is in switch_dtype (-1 never)
+        "switch_at": 1150,         # iteration from which the run is in switch_dtype (-1 never)
         "switch_dtype": "float64",
         # physics
         "nu": NU,
         # network
         "width": 20,
         "depth": 8,
-        "derivatives": "taylor",   # "taylor" (one pass), "func" (torch.func) or "autograd"
-        "compile": True,           # torch.compile the residual
+        "derivatives": "autograd",  # "autograd", "taylor" (one pass) or "func" (torch.func)
+        "compile": False,          # torch.compile the residual (pays off with "taylor")
         # points
         "n_collocation": 10000,
         "n_data": 100,             # initial + boundary points (Raissi's N_u)

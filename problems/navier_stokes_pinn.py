@@ -106,7 +106,7 @@ def kovasznay(xy: torch.Tensor, re: float) -> torch.Tensor:
 class KovasznayPINN(deepsolve.Problem):
     defaults = {
         # trainer
-        "iterations": 2100,        # total trainer iterations: adam_iterations + L-BFGS steps
+        "iterations": 2300,        # total trainer iterations: adam_iterations + L-BFGS steps
         "lr": 1e-3,                # Adam learning rate
         "eval_every": 10,
         "checkpoint_every": 100,
@@ -116,7 +116,7 @@ class KovasznayPINN(deepsolve.Problem):
         "adam_iterations": 2000,   # Adam steps before L-BFGS takes over
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
-        "switch_at": 2000,         # iteration from which the run is in switch_dtype (-1 never)
+        "switch_at": 2100,         # iteration from which the run is in switch_dtype (-1 never)
         "switch_dtype": "float64",
         # physics
         "re": 20.0,

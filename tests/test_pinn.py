@@ -524,6 +524,38 @@ def test_adam_then_lbfgs_switches_and_saves_its_phase():
         opt2.step(None)
 
 
+@pytest.mark.parametrize("at", [2, 5])
+def test_on_step_switches_precision_between_steps(at):
+    """on_step(k) runs before step k; a True return resets the L-BFGS memory and casts Adam's
+    moments, so Adam (at=2) and L-BFGS (at=5) continue in float64 and still converge."""
+    target = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
+    net = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        net.weight.zero_()
+    calls = []
+
+    def on_step(k):
+        calls.append(k)
+        return k >= at and P.switch_precision(net, None, F64)
+
+    opt = P.AdamLBFGS(net.parameters(), switch_at=3, adam_lr=0.1, max_iter=20, on_step=on_step)
+
+    def closure():
+        opt.zero_grad()
+        w = net.weight[0]
+        loss = (w - target.to(w.dtype)).pow(4).sum() + (w - target.to(w.dtype)).pow(2).sum()
+        loss.backward()
+        return loss
+
+    for k in range(8):
+        opt.step(closure)
+        assert net.weight.dtype == (F64 if k >= at else torch.float32)
+    assert calls == list(range(8))
+    assert all(v.dtype == F64 for st in opt.adam.state.values() for key, v in st.items()
+               if key != "step")
+    assert (net.weight.detach()[0] - target).norm() < 1e-9   # beyond float32's reach
+
+
 def test_budget_measurement_explains_reverse_mode_under_hooks():
     net = three_out()
     x = torch.rand(200, 2, dtype=F64)
