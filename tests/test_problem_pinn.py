@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import shutil
 import sys
 
 import numpy as np
@@ -235,6 +236,8 @@ def test_float32_run_without_switch_stays_float32(tmp_path):
     assert all(v.dtype == torch.float32 for v in state["model"].values())
 
 
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
+                    reason="torch.compile needs a C++ compiler on CPU")
 def test_compiled_residual_equals_eager():
     prob, _ = load_problem(KOVASZNAY)
     losses = []
