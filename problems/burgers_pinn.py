@@ -114,7 +114,7 @@ class BurgersPINN(deepsolve.Problem):
         "adam_iterations": 1000,
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
-        "switch_at": 1150,         # iteration from which the run is in switch_dtype (-1 never)
+        "switch_at": 1100,         # iteration from which the run is in switch_dtype (-1 never)
         "switch_dtype": "float64",
         # physics
         "nu": NU,

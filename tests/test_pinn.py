@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -554,6 +555,25 @@ def test_on_step_switches_precision_between_steps(at):
     assert all(v.dtype == F64 for st in opt.adam.state.values() for key, v in st.items()
                if key != "step")
     assert (net.weight.detach()[0] - target).norm() < 1e-9   # beyond float32's reach
+
+
+def test_lbfgs_step_ending_on_nan_is_undone():
+    """A line search that runs into NaN (here: a log barrier crossed by the first trial step)
+    leaves the parameters where the step started, finite, with a finite loss returned."""
+    theta = torch.zeros(2, dtype=F64, requires_grad=True)
+    opt = P.AdamLBFGS([theta], switch_at=0, max_iter=20)
+
+    def closure():
+        opt.zero_grad()
+        loss = (theta - 1).pow(2).sum() - 1e-3 * torch.log(0.3 - theta[0])
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert opt.nonfinite_steps == 1
+    assert torch.equal(theta.detach(), torch.zeros(2, dtype=F64))
+    assert math.isfinite(float(loss)) and torch.isfinite(theta.grad).all()
+    assert float(loss) == pytest.approx(2 - 1e-3 * math.log(0.3))
 
 
 def test_budget_measurement_explains_reverse_mode_under_hooks():

@@ -16,6 +16,10 @@ gradient, which is all Adam needs as well.
   ``1/loss`` when L-BFGS starts, and re-normalises (clearing the L-BFGS memory) whenever the
   scaled loss has dropped below ``rescale_below``, or a step made no progress. The trainer
   still sees and logs the true loss and gradient.
+* A step that ends on a non-finite loss or parameters (a line search lost in round-off, seen
+  in float32 at a stalled loss) is undone: the parameters go back to where the step started,
+  the memory is cleared and the loss is evaluated there again (``nonfinite_steps`` counts
+  these).
 * ``param_groups[0]["lr"]`` (what the trainer logs) holds the active phase's learning rate.
 * The trainer's gradient clipping does not apply to closure optimisers.
 
@@ -26,6 +30,7 @@ in float32 and L-BFGS in float64, where float32 round-off would stall the line s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -96,6 +101,7 @@ class AdamLBFGS(torch.optim.LBFGS):
         self.max_scale = float(max_scale)
         self.scale = 0.0          # 0: set from the first L-BFGS loss
         self.restarts = 0
+        self.nonfinite_steps = 0  # L-BFGS steps undone because they ended on NaN/inf
         self.on_step = on_step
         self._show_lr()
 
@@ -157,10 +163,32 @@ class AdamLBFGS(torch.optim.LBFGS):
                     p.grad.mul_(self.scale)
             return loss * self.scale
 
-        orig = super().step(scaled)
+        params = self.param_groups[0]["params"]
+        before = [p.detach().clone() for p in params]
+        try:
+            orig = super().step(scaled)
+            finite = all(math.isfinite(v) for v in seen[-1:]) and all(
+                bool(torch.isfinite(p).all()) for p in params)
+        except IndexError:  # torch's strong-Wolfe search fails this way on NaN losses
+            if all(math.isfinite(v) for v in seen):
+                raise
+            finite = False
+        if not finite:
+            # a line search that ran into round-off (float32 at a stalled loss) can end on
+            # NaN: go back to the point before the step, forget the memory, re-evaluate there
+            with torch.no_grad():
+                for p, b in zip(params, before, strict=True):
+                    p.copy_(b)
+            self._restart()
+            self.scale = 0.0
+            seen.clear()
+            orig = scaled()
+            self.nonfinite_steps += 1
         with torch.no_grad():  # the trainer reads the true gradient after the step
             for p in self._params_with_grad():
                 p.grad.div_(self.scale)
+        if not finite:
+            return orig.detach() / self.scale
         start, end = seen[0], min(seen)  # no progress: no evaluation beat the start
         new = self._scale_for(end)
         if (end * self.scale < self.rescale_below and new > self.scale) or not end < start:
