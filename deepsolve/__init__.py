@@ -8,14 +8,17 @@ Public surface:
   unrolled (checkpointed) or phantom backward;
 * :func:`plan` — profile a step and pick the fastest schedule under a memory budget
   (:class:`Plan`, :class:`BudgetError`);
+* :func:`sequential` — a chain of layers with different costs and shapes, checkpointed
+  optimally under a memory budget (heterogeneous dynamic program, :class:`SequentialStats`);
 * :mod:`schedules` — checkpoint schedules as lazy action streams (revolve, store_all,
-  periodic), their costs and a checker.
+  periodic, mixed, two-level, online, heterogeneous), their costs and a checker.
 """
 
 from . import schedules
 from .fixed_point import FixedPointError, FixedPointStats, FixedPointWarning, fixed_point
 from .memory import BudgetError, Plan, plan
 from .problem import Context, Problem
+from .sequential import SequentialStats, sequential
 from .unroll import UnrollStats, unroll
 
 __version__ = "0.1.0"
@@ -23,5 +26,6 @@ __version__ = "0.1.0"
 __all__ = [
     "schedules", "unroll", "UnrollStats", "plan", "Plan", "BudgetError", "Problem", "Context",
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
+    "sequential", "SequentialStats",
     "__version__",
 ]

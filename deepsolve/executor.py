@@ -17,10 +17,19 @@ outputs). Memory: ``s`` snapshots + one recorded step; time: ``t(n, s)`` unrecor
 recorded steps (Griewank & Walther, ACM TOMS 26(1), 2000). The gradients are those of plain
 backpropagation, bit for bit up to the order of floating-point summation of parameter
 gradients: recomputed steps replay the same RNG stream and autocast settings.
+
+Inside the step: a *recomputation policy* shrinks what a kept recorded step holds (its tape)
+by running it under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` with
+PyTorch's selective activation checkpointing: the outputs of the ops the policy saves are
+cached, everything else is recomputed from the step's input when its backward runs. It applies
+to tapes that are *kept* (``Record`` ranges and the store-all graph); a step reversed as soon
+as it is recorded gains nothing from it, since its backward recomputes the full tape at once.
+``snapshot_dtype`` (opt-in, inexact) stores snapshots rounded to a smaller float type.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -29,11 +38,19 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from .schedules import Schedule
 from .schedules.actions import Advance, Free, Record, Restore, Reverse, Store
 
-__all__ = ["execute", "UnrollStats", "HostStorage"]
+__all__ = ["execute", "UnrollStats", "HostStorage", "POLICIES", "EXPENSIVE_OPS",
+           "save_expensive", "policy_name", "policy_context", "check_snapshot_dtype",
+           "snapshot_nbytes"]
 
 
 @dataclass
@@ -54,6 +71,10 @@ class UnrollStats:
             caller's initial state excluded.
         state_bytes: bytes of one state.
         forward_time, backward_time: wall time of the two sweeps [s].
+        extra: further facts: ``"params"`` (number of tensors differentiated), ``"policy"``
+            (the recomputation policy of kept tapes, when one is set), ``"snapshot_dtype"``
+            (when snapshots are stored in a smaller dtype), ``"plan"`` (with ``budget=``),
+            ``"online_snapshots"`` (with ``until=`` and ``budget=``).
     """
 
     n_steps: int = 0
@@ -255,8 +276,8 @@ def _autocast_state() -> list[tuple[str, torch.dtype]]:
 
 
 class _Autocast:
-    def __init__(self, state: list[tuple[str, torch.dtype]]):
-        self.ctx = [torch.autocast(dev, dtype=dt) for dev, dt in state]
+    def __init__(self, state: list[tuple[str, torch.dtype]], cache: bool = True):
+        self.ctx = [torch.autocast(dev, dtype=dt, cache_enabled=cache) for dev, dt in state]
 
     def __enter__(self):
         for c in self.ctx:
@@ -265,6 +286,139 @@ class _Autocast:
     def __exit__(self, *exc):
         for c in reversed(self.ctx):
             c.__exit__(*exc)
+
+
+# ----------------------------------------------------------------------------------------
+# recomputation policies for a recorded step (selective activation checkpointing)
+
+POLICIES = ("none", "save_expensive", "recompute_all")
+"""Built-in recomputation policies for a kept recorded step:
+
+* ``"none"`` — autograd keeps what each op saves (today's tape);
+* ``"save_expensive"`` — keep the outputs of matrix products, convolutions, FFTs, attention
+  and dense factorisations/solves (:data:`EXPENSIVE_OPS`); recompute everything else
+  (pointwise ops, reductions, copies) from the step's input in its backward;
+* ``"recompute_all"`` — keep only the step's input; its backward re-runs the whole step
+  (``torch.utils.checkpoint`` of one step).
+"""
+
+
+def _ops(*names: str) -> frozenset:
+    found = set()
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+        if op is not None:  # ops missing from this torch build are skipped
+            found.add(op)
+    return frozenset(found)
+
+
+EXPENSIVE_OPS = _ops(
+    "mm", "addmm", "bmm", "baddbmm", "_int_mm", "convolution", "_convolution",
+    "_fft_r2c", "_fft_c2r", "_fft_c2c",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_linalg_solve_ex", "linalg_lu_factor_ex", "_linalg_eigh", "_linalg_svd",
+    "linalg_cholesky_ex", "linalg_solve_triangular", "triangular_solve", "linalg_qr",
+)
+"""The aten ops whose outputs ``"save_expensive"`` keeps: products, convolutions, FFTs,
+attention, dense factorisations and solves — ops that cost more than a pass over their output."""
+
+
+def save_expensive(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The ``"save_expensive"`` policy as a selective-checkpoint policy function: save the
+    outputs of :data:`EXPENSIVE_OPS`, prefer to recompute everything else. Compose your own
+    policy from it: ``lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE if op is X else
+    save_expensive(ctx, op, *a, **k)``."""
+    if op in EXPENSIVE_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def policy_name(policy: Any) -> str:
+    """A short label for a policy: its name, the function's name, or ``"ops[k]"``."""
+    if policy is None:
+        return "none"
+    if isinstance(policy, str):
+        return policy
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        return f"ops[{len(policy)}]"
+    return getattr(policy, "__name__", type(policy).__name__)
+
+
+def policy_context(policy: Any) -> Callable[[], tuple] | None:
+    """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` that implements
+    ``policy``, or ``None`` for ``"none"`` (no checkpoint at all). ``policy`` is a name from
+    :data:`POLICIES`, a callable ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (or bool)
+    or a list of op overloads to save (``torch.ops.aten.mm.default``)."""
+    if policy is None or policy == "none":
+        return None
+    if policy == "recompute_all":
+        return noop_context_fn
+    if policy == "save_expensive":
+        return functools.partial(create_selective_checkpoint_contexts, save_expensive)
+    if isinstance(policy, str):
+        raise ValueError(f"unroll: unknown policy {policy!r}; use one of {', '.join(POLICIES)}, "
+                         "a callable (ctx, op, *args, **kwargs) -> CheckpointPolicy or a list "
+                         "of ops to save")
+    if isinstance(policy, (list, tuple, set, frozenset)):
+        ops = list(policy)
+        for op in ops:
+            if not isinstance(op, torch._ops.OpOverload):
+                raise ValueError(f"unroll: a policy list holds op overloads such as "
+                                 f"torch.ops.aten.mm.default, got {op!r}")
+        return functools.partial(create_selective_checkpoint_contexts, ops)
+    if callable(policy):
+        return functools.partial(create_selective_checkpoint_contexts, policy)
+    raise ValueError(f"unroll: policy must be a name ({', '.join(POLICIES)}), a callable or a "
+                     f"list of ops, got {type(policy).__name__}")
+
+
+class _Recorder:
+    """Records a step under ``torch.utils.checkpoint`` (non-reentrant) with a policy's
+    ``context_fn``; the checkpoint stashes the RNG and autocast state and replays them when
+    the step's backward recomputes it.
+
+    Under autocast the step runs with autocast's cast cache off: with the cache, a weight is
+    cast once per autocast region, so the forward and the recomputation would run different
+    numbers of casts and selective checkpointing could not match them. Each step then casts
+    its weights itself, and its weight gradients are summed in the weights' own dtype."""
+
+    __slots__ = ("context_fn", "preserve_rng")
+
+    def __init__(self, context_fn: Callable[[], tuple], preserve_rng: bool):
+        self.context_fn = context_fn
+        self.preserve_rng = preserve_rng
+
+    @staticmethod
+    def _call(fn: Callable, i: int, *leaves: torch.Tensor):
+        return fn(list(leaves), i)
+
+    def __call__(self, fn: Callable, leaves: list[torch.Tensor], i: int):
+        autocast = _autocast_state()
+        if autocast:
+            with _Autocast(autocast, cache=False):
+                return checkpoint(self._call, fn, i, *leaves, use_reentrant=False,
+                                  context_fn=self.context_fn,
+                                  preserve_rng_state=self.preserve_rng)
+        return checkpoint(self._call, fn, i, *leaves, use_reentrant=False,
+                          context_fn=self.context_fn, preserve_rng_state=self.preserve_rng)
+
+
+def check_snapshot_dtype(dtype: Any) -> torch.dtype | None:
+    """``None`` or a floating-point ``torch.dtype``; a one-line error otherwise."""
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unroll: snapshot_dtype must be a floating-point torch.dtype such as "
+                         f"torch.bfloat16, got {dtype!r}")
+    return dtype
+
+
+def snapshot_nbytes(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None) -> int:
+    """Bytes of one snapshot of a state whose floating leaves are stored as ``dtype``."""
+    return sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point()
+                            else t.element_size()) for t in leaves)
 
 
 # ----------------------------------------------------------------------------------------
@@ -304,7 +458,8 @@ class _Executor:
 
     def __init__(self, step: _Step, schedule: Schedule, n_steps: int, n_state: int,
                  preserve_rng: bool, stats: UnrollStats | None, cuda: list[int],
-                 autocast: list, storage: dict | None = None):
+                 autocast: list, storage: dict | None = None,
+                 recorder: _Recorder | None = None, snapshot_dtype: torch.dtype | None = None):
         self.step = step
         self.schedule = schedule
         self.n = n_steps
@@ -323,6 +478,19 @@ class _Executor:
         self.n_slots = 0
         self.peak_slots = 0
         self.state_bytes = stats.state_bytes if stats is not None else 0
+        self.recorder = recorder  # None: kept tapes are plain autograd graphs
+        # snapshots (x_0 excepted) of floating leaves stored as snapshot_dtype: inexact
+        self.lower = None
+        if snapshot_dtype is not None:
+            lower = [snapshot_dtype if dt.is_floating_point and dt != snapshot_dtype else None
+                     for _, dt, _ in step.meta]
+            if any(d is not None for d in lower):
+                self.lower = lower
+        self.slot_bytes = self.state_bytes
+        if self.lower is not None:
+            self.slot_bytes = sum(torch.Size(shape).numel() * (d or dt).itemsize
+                                  for (shape, dt, _), d in zip(step.meta, self.lower,
+                                                               strict=True))
         self.snap_bytes = 0  # level-0 snapshot bytes held now, x_0 excluded
         self.peak_snap_bytes = 0
         self.storage: dict = dict(storage or {})
@@ -360,15 +528,17 @@ class _Executor:
         for buf, o in zip(outs, out, strict=True):
             buf[i].copy_(o.detach())
 
-    def _record(self, cur: list[torch.Tensor], i: int):
-        """Run step ``i`` with grad from detached inputs; returns the tape (x_in, y, out)."""
+    def _record(self, cur: list[torch.Tensor], i: int, keep: bool = False):
+        """Run step ``i`` with grad from detached inputs; returns the tape (x_in, y, out).
+        A tape that is kept for a later ``Reverse`` (``keep``) is recorded under the policy."""
         x_in = [t.detach().requires_grad_(_is_diff(t)) for t in cur]
+        fn = self.step.first if i == 0 and self.frontier == 0 else self.step
         try:
             with torch.enable_grad():
-                if i == 0 and self.frontier == 0:
-                    y, out = self.step.first(x_in, 0)
+                if keep and self.recorder is not None:
+                    y, out = self.recorder(fn, x_in, i)
                 else:
-                    y, out = self.step(x_in, i)
+                    y, out = fn(x_in, i)
         except RuntimeError as e:
             if "in-place" not in str(e):
                 raise
@@ -381,29 +551,33 @@ class _Executor:
         if self.preserve_rng:
             rng = _get_rng(self.cuda)
         key = (a.level, a.slot)
+        lowered = self.lower is not None and a.index != 0  # x_0 is always held exactly
+        data = cur
+        if lowered:
+            data = [t if d is None else t.to(d) for t, d in zip(cur, self.lower, strict=True)]
         if a.level == 0:
-            data = cur
             if a.index != 0:  # x_0 is the caller's tensor: holding it costs nothing
-                self.snap_bytes += self.state_bytes
+                self.snap_bytes += self.slot_bytes
                 if self.snap_bytes > self.peak_snap_bytes:
                     self.peak_snap_bytes = self.snap_bytes
                     if self.stats is not None:
                         self.stats.snapshot_bytes_peak = self.snap_bytes
         else:  # a second storage level (host memory, disk): the backend keeps the data
+            self._backend(a.level).put(key, data)
             data = None
-            self._backend(a.level).put(key, cur)
-        self.slots[key] = (data, [t._version for t in cur], rng, a.index)
+        self.slots[key] = (data, [t._version for t in cur] if data is cur else None, rng,
+                           a.index, lowered)
         self.n_slots += 1
         if self.n_slots > self.peak_slots:
             self.peak_slots = self.n_slots
 
     def _free(self, a: Free):
         key = (a.level, a.slot)
-        _, _, _, index = self.slots.pop(key)
+        _, _, _, index, _ = self.slots.pop(key)
         self.n_slots -= 1
         if a.level == 0:
             if index != 0:
-                self.snap_bytes -= self.state_bytes
+                self.snap_bytes -= self.slot_bytes
         else:
             self._backend(a.level).drop(key)
 
@@ -414,16 +588,19 @@ class _Executor:
         return backend
 
     def _restore(self, a: Restore):
-        data, versions, rng, _ = self.slots[(a.level, a.slot)]
+        data, versions, rng, _, lowered = self.slots[(a.level, a.slot)]
         if a.level != 0:
             data = self._backend(a.level).get((a.level, a.slot), self.step.meta)
-        elif any(t._version != v for t, v in zip(data, versions, strict=True)):
+        elif versions is not None and any(t._version != v
+                                          for t, v in zip(data, versions, strict=True)):
             raise RuntimeError(
                 f"unroll: the snapshot of x_{a.index} was modified in place after it was "
                 "stored; the step must not modify its input state in place (return new tensors)"
             )
         if rng is not None:
             _set_rng(rng, self.cuda)
+        if lowered:
+            return [t.to(m[1]) for t, m in zip(data, self.step.meta, strict=True)]
         return list(data)
 
     def _run(self, cur, outs, until_reverse: bool):
@@ -445,7 +622,7 @@ class _Executor:
                 self._free(a)
             elif t is Record:
                 for i in range(a.start, a.stop):
-                    tape = self._record(cur, i)
+                    tape = self._record(cur, i, True)
                     self.tapes[i] = tape
                     self.recorded += 1
                     cur = [y.detach() for y in tape[1]]
@@ -657,6 +834,8 @@ def execute(
     storage: dict[int, Any] | None = None,
     until: Callable[[Any, int], bool] | None = None,
     max_steps: int | None = None,
+    policy: Any = None,
+    snapshot_dtype: torch.dtype | None = None,
 ) -> Any:
     """Run ``schedule.n_steps`` steps of ``step`` from ``state`` following ``schedule``.
 
@@ -670,7 +849,15 @@ def execute(
     With ``until=stop`` the length is unknown: ``schedule`` is an online schedule
     (:func:`deepsolve.schedules.online`) or ``None`` (keep every step recorded), and the
     unroll runs until ``stop(x_i, i)`` is true (at most ``max_steps`` steps).
+
+    ``policy`` (see :data:`POLICIES` and :func:`policy_context`) records every kept tape —
+    ``Record`` ranges, and each step of a store-all unroll — under selective activation
+    checkpointing; ``None``/``"none"`` costs nothing extra. ``snapshot_dtype`` stores the
+    snapshots other than ``x_0`` with their floating leaves cast to that dtype (inexact).
     """
+    context_fn = policy_context(policy)
+    recorder = _Recorder(context_fn, preserve_rng) if context_fn is not None else None
+    snapshot_dtype = check_snapshot_dtype(snapshot_dtype)
     x0, spec = _flatten_state(state)
     sched = schedule
     fn = _Step(step, spec, x0, has_output)
@@ -678,6 +865,10 @@ def execute(
     if stats is not None:
         stats.schedule = repr(sched)
         stats.state_bytes = state_bytes
+        if recorder is not None:
+            stats.extra["policy"] = policy_name(policy)
+        if snapshot_dtype is not None:
+            stats.extra["snapshot_dtype"] = str(snapshot_dtype)
     if until is not None:
         with torch.no_grad():
             if until(state, 0):
@@ -698,11 +889,12 @@ def execute(
 
     grad_on = torch.is_grad_enabled()
     if not grad_on or sched is None or sched.kind == "store_all":
-        return _plain_loop(fn, x0, n_steps, spec, grad_on, stats, until, max_steps)
+        return _plain_loop(fn, x0, n_steps, spec, grad_on, stats, until, max_steps,
+                           recorder if grad_on else None)
 
     cuda = _devices(x0 + explicit)
     ex = _Executor(fn, sched, n_steps, len(x0), preserve_rng, stats, cuda, _autocast_state(),
-                   storage)
+                   storage, recorder, snapshot_dtype)
     try:
         if until is not None:
             x_in, y, out = ex.forward_online(x0, sched.start(), until, max_steps)
@@ -751,15 +943,21 @@ def _discover(step, y, out, explicit, x_in, marker) -> list[torch.Tensor]:
 
 
 def _plain_loop(fn: _Step, x0: list[torch.Tensor], n: int, spec, grad_on: bool,
-                stats: UnrollStats | None, until=None, max_steps: int | None = None):
-    """The plain loop: under no_grad, or store_all (autograd keeps the whole graph); with
-    ``until``, until ``until(x_i, i)`` holds."""
+                stats: UnrollStats | None, until=None, max_steps: int | None = None,
+                recorder: _Recorder | None = None):
+    """The plain loop: under no_grad, or store_all (autograd keeps the whole graph, each
+    step's part under the policy's ``recorder`` if one is given); with ``until``, until
+    ``until(x_i, i)`` holds."""
     t0 = time.perf_counter()
     cur = x0
     outs = []
     i = 0
     while until is not None or i < n:
-        if i == 0:
+        if recorder is not None:
+            cur, out = recorder(fn.first if i == 0 else fn, cur, i)
+            if i:
+                fn.fast_check(cur, i)
+        elif i == 0:
             cur, out = fn.first(cur, 0)
         else:
             cur, out = fn(cur, i)

@@ -63,6 +63,8 @@ def unroll(
     has_output: bool | None = None,
     preserve_rng: bool = True,
     stats: UnrollStats | None = None,
+    policy: str | Callable | Sequence | None = None,
+    snapshot_dtype: torch.dtype | None = None,
 ) -> Any:
     """Run ``x_{i+1} = step(x_i, i)`` for ``n_steps`` steps with checkpointed, exact gradients.
 
@@ -108,6 +110,21 @@ def unroll(
         preserve_rng: snapshot the CPU/CUDA RNG state with each stored state so that
             recomputed steps draw the same random numbers (dropout, stochastic forcing).
         stats: an :class:`UnrollStats` to fill with counts and timings.
+        policy: what a *kept* recorded step saves for its backward (selective activation
+            checkpointing, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``):
+            ``"none"`` (plain autograd), ``"save_expensive"`` (keep the outputs of matrix
+            products, convolutions, FFTs, attention and dense solves; recompute pointwise
+            ops), ``"recompute_all"`` (keep only the step's input), a policy function
+            ``(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy`` or a
+            list of op overloads to save. It applies to the tapes a schedule keeps (every
+            step of ``store_all``, ``Record`` ranges of ``revolve_tail``, ``periodic``,
+            ``mixed``), not to a step reversed as soon as it is recorded. Gradients stay
+            exact. Default: ``"none"``, or with ``budget`` the planner's choice.
+        snapshot_dtype: opt-in, *inexact*: store snapshots (``x_0`` excepted) with their
+            floating-point leaves cast to this dtype, e.g. ``torch.bfloat16`` (half the
+            memory of float32 snapshots); restored states are cast back, so recomputed steps
+            start from rounded states and the gradients carry that error (measured in
+            docs/inside-step.md). The budget planner counts the smaller snapshots.
 
     Returns:
         ``x_n``, or ``(x_n, outputs)`` where ``outputs`` stacks the per-step outputs along a
@@ -117,7 +134,8 @@ def unroll(
     """
     if until is not None:
         return _unroll_until(step, state, until, max_steps, snapshots, schedule, budget,
-                             params, has_output, preserve_rng, stats, n_steps)
+                             params, has_output, preserve_rng, stats, n_steps, policy,
+                             snapshot_dtype)
     if n_steps is None:
         raise ValueError("unroll: give n_steps, or until=stop for an unroll of unknown length")
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
@@ -130,8 +148,9 @@ def unroll(
             sched = store_all(n_steps)
         else:
             p = make_plan(step, state, n_steps, budget=budget, params=params, offload=offload,
-                          spill_dir=spill_dir)
+                          spill_dir=spill_dir, policy=policy, snapshot_dtype=snapshot_dtype)
             sched = p.schedule
+            policy = p.policy
             if p.kind == "two_level":
                 storage = {1: HostStorage() if offload == "host" else DiskStorage(spill_dir)}
             if stats is not None:
@@ -141,11 +160,12 @@ def unroll(
     else:
         sched = _resolve_schedule(schedule, snapshots, n_steps)
     return execute(step, state, sched, params=params, has_output=has_output,
-                   preserve_rng=preserve_rng, stats=stats, storage=storage)
+                   preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
+                   snapshot_dtype=snapshot_dtype)
 
 
 def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, params,
-                  has_output, preserve_rng, stats, n_steps):
+                  has_output, preserve_rng, stats, n_steps, policy, snapshot_dtype):
     if n_steps is not None:
         raise ValueError("unroll: give n_steps or until=, not both (cap an open-ended unroll "
                          "with max_steps=)")
@@ -164,8 +184,10 @@ def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, pa
     if snapshots is not None:
         sched = online(snapshots)
     elif budget is not None and torch.is_grad_enabled():
-        sched = online(online_snapshots(step, state, budget, max_steps, params))
+        sched = online(online_snapshots(step, state, budget, max_steps, params,
+                                        snapshot_dtype))
         if stats is not None:
             stats.extra["online_snapshots"] = sched.snapshots
     return execute(step, state, sched, params=params, has_output=has_output,
-                   preserve_rng=preserve_rng, stats=stats, until=until, max_steps=max_steps)
+                   preserve_rng=preserve_rng, stats=stats, until=until, max_steps=max_steps,
+                   policy=policy, snapshot_dtype=snapshot_dtype)

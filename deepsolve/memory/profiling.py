@@ -12,12 +12,23 @@
 * ``t_advance``, ``t_record``, ``t_backward`` — seconds for an unrecorded step, a recorded
   step, and the backward of a recorded step (medians).
 
-Profiles are cached per (step, state shapes, dtypes, device) so a training loop that calls
-``unroll(..., budget=...)`` every iteration profiles once.
+``profile_step(step, state, policy=p)`` measures the recorded step under a recomputation
+policy (:data:`deepsolve.executor.POLICIES`, a policy function or a list of ops): ``tape_bytes``
+is then what the kept step holds — the outputs the selective-checkpoint cache keeps, read from
+its storage, unique storages, the input and parameters excluded — and ``t_record``,
+``t_backward`` include the checkpoint's work and the recomputation in the backward. Its
+``base_tape_bytes`` is the plain tape ``T``: when a kept step's backward runs, the recomputation
+rebuilds what plain autograd would have saved, so reversing it needs up to ``T`` more
+(``reverse_extra``; an upper bound, since the cached outputs are counted twice).
+
+Profiles are cached per (step, state shapes, dtypes, device, policy name) so a training loop
+that calls ``unroll(..., budget=...)`` every iteration profiles once; policies given as
+functions or op lists are measured each time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import weakref
@@ -27,14 +38,21 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..executor import _graph_leaves
+from ..executor import _graph_leaves, policy_context, policy_name
 
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
 
 @dataclass(frozen=True)
 class StepProfile:
-    """Measured sizes [bytes] and times [s] of one step; see the module docstring."""
+    """Measured sizes [bytes] and times [s] of one step; see the module docstring.
+
+    ``policy`` names the recomputation policy the tape and record/backward times were measured
+    under (``"none"``: plain autograd); ``base_tape_bytes`` is then the plain tape ``T`` (``None``
+    for ``"none"``: ``tape_bytes`` itself). ``snapshot_bytes`` is the size of one stored
+    snapshot when snapshots are kept in a smaller dtype (``None``: a state,
+    ``state_bytes``); the planner sets it, it is not measured.
+    """
 
     state_bytes: int
     tape_bytes: int
@@ -45,12 +63,31 @@ class StepProfile:
     t_record: float
     t_backward: float
     device: str
+    policy: str = "none"
+    base_tape_bytes: int | None = None
+    snapshot_bytes: int | None = None
 
     @property
     def working_bytes(self) -> int:
         """Fixed overhead of the reverse sweep beyond snapshots and the tape: the working
         state, two adjoints, the parameter gradients and the measured scratch."""
         return 3 * self.state_bytes + self.grad_bytes + self.scratch_bytes
+
+    @property
+    def plain_tape_bytes(self) -> int:
+        """``T``: what one recorded step saves without a policy (a step reversed at once)."""
+        return self.tape_bytes if self.base_tape_bytes is None else self.base_tape_bytes
+
+    @property
+    def reverse_extra(self) -> int:
+        """Bytes that reversing a kept tape adds on top of it: 0 without a policy, else the
+        recomputation of the plain tape, ``T``."""
+        return 0 if self.policy == "none" else self.plain_tape_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes one snapshot slot holds."""
+        return self.state_bytes if self.snapshot_bytes is None else self.snapshot_bytes
 
 
 _cache: dict[tuple, tuple[Any, StepProfile]] = {}
@@ -92,16 +129,22 @@ def _key(step, leaves) -> tuple:
 
 
 def profile_step(step, state, *, params: list[torch.Tensor] | None = None, repeats: int = 3,
-                 cache: bool = True) -> StepProfile:
-    """Measure ``step`` on ``state`` (see :class:`StepProfile`). Runs the step
-    ``1 + 2 * repeats`` times; the first call is a warm-up. The CPU and CUDA random number
-    generators are left as they were, so profiling does not shift a stochastic step's stream.
+                 cache: bool = True, policy: Any = "none") -> StepProfile:
+    """Measure ``step`` on ``state`` (see :class:`StepProfile`), its recorded step under
+    ``policy`` (default ``"none"``: plain autograd). Runs the step ``1 + 2 * repeats`` times
+    (the first call is a warm-up), and ``1 + repeats`` more recorded under a policy. The CPU
+    and CUDA random number generators are left as they were, so profiling does not shift a
+    stochastic step's stream.
     """
     leaves = [state] if isinstance(state, torch.Tensor) else pytree.tree_leaves(state)
     cuda = sorted({t.device.index or 0 for t in leaves
                    if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+    context_fn = policy_context(policy)  # a one-line error for an unknown policy
     with torch.random.fork_rng(devices=cuda):
-        return _profile_step(step, state, params, repeats, cache)
+        base = _profile_step(step, state, params, repeats, cache)
+        if context_fn is None:
+            return base
+        return _profile_policy(step, state, params, repeats, cache, policy, context_fn, base)
 
 
 def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile:
@@ -188,3 +231,94 @@ def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
+
+
+def _cached_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors a selective-checkpoint cache holds (its ``storage``: dicts and lists of
+    wrappers with a ``val`` tensor, depending on the torch version)."""
+    found, todo = [], [obj]
+    while todo:
+        o = todo.pop()
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            todo.extend(o)
+        else:
+            val = getattr(o, "val", None)
+            if isinstance(val, torch.Tensor):
+                found.append(val)
+    return found
+
+
+def _profile_policy(step, state, params, repeats: int, cache: bool, policy, context_fn,
+                    base: StepProfile) -> StepProfile:
+    """Tape bytes and record/backward times of ``step`` recorded under ``policy``."""
+    from torch.utils.checkpoint import checkpoint
+
+    name = policy_name(policy)
+    if isinstance(state, torch.Tensor):
+        leaves, spec = [state], None
+    else:
+        leaves, spec = pytree.tree_flatten(state)
+    key = (*_key(step, leaves), name)
+    cacheable = cache and isinstance(policy, str)
+    if cacheable and key in _cache:
+        ref, prof = _cache[key]
+        if ref() is (getattr(step, "__func__", step)):
+            return prof
+    device = leaves[0].device
+    cuda = device.type == "cuda"
+    x = [t.detach() for t in leaves]
+    modes: list = []
+
+    def capture():  # keep the forward context: its storage is the policy's tape
+        ctx = context_fn()
+        modes.append(ctx[0])
+        return ctx
+
+    t_rec, t_bwd, tapes = [], [], []
+    for r in range(repeats + 1):  # the first run is a warm-up
+        modes.clear()
+        x_in = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in x]
+        _sync(cuda)
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            y, out = checkpoint(_call, step, x_in, spec, 0, use_reentrant=False,
+                                context_fn=capture)
+        _sync(cuda)
+        t1 = time.perf_counter()
+        roots = [t for t in (*y, *out) if t.requires_grad]
+        in_ids = {id(t) for t in x_in}
+        found = [p for p in (_graph_leaves(roots, {}, 0, set()) if params is None
+                             else list(params)) if id(p) not in in_ids]
+        skip = {t.untyped_storage().data_ptr() for t in (*x_in, *found)}
+        held: dict[int, int] = {}
+        for m in modes:
+            for t in _cached_tensors(getattr(m, "storage", None)):
+                st = t.untyped_storage()
+                if st.data_ptr() not in skip:
+                    held[st.data_ptr()] = st.nbytes()
+        tapes.append(sum(held.values()))
+        del held
+        inputs = [t for t in x_in if t.requires_grad] + [p for p in found if p.requires_grad]
+        if roots and inputs:
+            torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
+                                allow_unused=True)
+        _sync(cuda)
+        t2 = time.perf_counter()
+        if r:
+            t_rec.append(t1 - t0)
+            t_bwd.append(t2 - t1)
+        del y, out, roots
+    modes.clear()
+    prof = dataclasses.replace(
+        base, policy=name, tape_bytes=tapes[-1], base_tape_bytes=base.tape_bytes,
+        t_record=statistics.median(t_rec), t_backward=statistics.median(t_bwd))
+    if cacheable:
+        try:
+            _cache[key] = (weakref.ref(getattr(step, "__func__", step)), prof)
+        except TypeError:  # not weakly referenceable: do not cache
+            pass
+    return prof

@@ -16,6 +16,7 @@ from .base import Schedule
 from .basic import Periodic, StoreAll, periodic, store_all
 from .check import LevelCounts, ScheduleError, ScheduleStats, check, stats
 from .cost import beta, optimal_cost, repetitions
+from .hetero import ChainCosts, Hetero, hetero, hetero_cost, hetero_peak, least_memory
 from .mixed import Mixed, mixed, mixed_cost, peak_units
 from .online import Online, OnlineController, OnlineSchedule, online
 from .revolve import Revolve, revolve
@@ -23,6 +24,7 @@ from .tail import RevolveTail, revolve_tail, revolve_tail_cost
 from .two_level import TwoLevel, makespan, two_level, two_level_cost
 
 __all__ = [
+    "ChainCosts", "Hetero", "hetero", "hetero_cost", "hetero_peak", "least_memory",
     "Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse",
     "Schedule", "Revolve", "StoreAll", "Periodic", "TwoLevel", "Mixed",
     "revolve", "store_all", "periodic", "two_level", "two_level_cost", "makespan",
