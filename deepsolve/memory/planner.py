@@ -356,8 +356,10 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
     if slow is not None and slow.slots > 0 and adv > n - 1 and p.t_advance > 0:
         m = min(slow.slots, n, _MAX_SLOW_SLOTS)
         unit = p.t_advance  # costs in units of one unrecorded step
+        # timing noise can make a recorded step look cheaper than an unrecorded one: clamp
+        back = max((p.t_record + p.t_backward) / unit - 1.0, 0.0)
         kw = dict(write_cost=slow.t_write / unit, read_cost=slow.t_read / unit,
-                  forward_cost=1.0, backward_cost=(p.t_record + p.t_backward) / unit - 1.0)
+                  forward_cost=1.0, backward_cost=back)
         cost = two_level_cost(n, s_rev, m, **kw)
         rev_cost = two_level_cost(n, s_rev, 0, **kw)
         t_two = t_rev * cost / rev_cost if rev_cost else t_rev
