@@ -49,10 +49,9 @@ Metrics (``evaluate``)
 ``u_rel_l2`` — :math:`\|u_\theta - u\|_2 / \|u\|_2` on Raissi's evaluation grid (256 points
 in :math:`x` × 100 times in :math:`[0, 0.99]`); ``u_max_error`` — the largest absolute error
 there. Raissi et al. report 6.7e-4 (after up to 50000 L-BFGS iterations). The defaults (1000
-Adam steps, 150 L-BFGS steps of at most 50 iterations, float64) reached ``u_rel_l2`` 1.5e-2 in
-about 18 minutes on the project's shared 2-core CPU, 1.2e-2 after 200 L-BFGS steps, still
-falling slowly; the error sits at the front. In float32 L-BFGS stalls near 1.9e-2.
-docs/pinn.md lists the measurements.
+Adam steps and 100 L-BFGS steps in float32, then 200 in float64 from ``switch_at = 1100``)
+reached ``u_rel_l2`` 1.0e-2 in 45 minutes on the project's loaded 2-core CPU, still falling
+slowly; the error sits at the front. docs/pinn.md lists the measurements.
 """
 
 from __future__ import annotations
