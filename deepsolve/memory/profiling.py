@@ -147,16 +147,25 @@ def profile_step(step, state, *, params: list[torch.Tensor] | None = None, repea
         return _profile_policy(step, state, params, repeats, cache, policy, context_fn, base)
 
 
-def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile:
+def _flatten(state) -> tuple[list[torch.Tensor], Any]:
     if isinstance(state, torch.Tensor):
-        leaves, spec = [state], None
-    else:
-        leaves, spec = pytree.tree_flatten(state)
+        return [state], None
+    return pytree.tree_flatten(state)
+
+
+def _cached(key, step) -> StepProfile | None:
+    """The cached profile for ``key`` if it was measured for this very step function."""
+    entry = _cache.get(key)
+    if entry is not None and entry[0]() is getattr(step, "__func__", step):
+        return entry[1]
+    return None
+
+
+def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile:
+    leaves, spec = _flatten(state)
     key = _key(step, leaves)
-    if cache and key in _cache:
-        ref, prof = _cache[key]
-        if ref() is (getattr(step, "__func__", step)):
-            return prof
+    if cache and (prof := _cached(key, step)) is not None:
+        return prof
     device = leaves[0].device
     cuda = device.type == "cuda"
     x = [t.detach() for t in leaves]
@@ -258,16 +267,11 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
     from torch.utils.checkpoint import checkpoint
 
     name = policy_name(policy)
-    if isinstance(state, torch.Tensor):
-        leaves, spec = [state], None
-    else:
-        leaves, spec = pytree.tree_flatten(state)
+    leaves, spec = _flatten(state)
     key = (*_key(step, leaves), name)
     cacheable = cache and isinstance(policy, str)
-    if cacheable and key in _cache:
-        ref, prof = _cache[key]
-        if ref() is (getattr(step, "__func__", step)):
-            return prof
+    if cacheable and (prof := _cached(key, step)) is not None:
+        return prof
     device = leaves[0].device
     cuda = device.type == "cuda"
     x = [t.detach() for t in leaves]
