@@ -10,14 +10,18 @@ Sections:
 1. *Where today's tape comes from*: the tensors one recorded step saves (unique storages,
    input and parameters excluded), attributed to the autograd nodes that save them.
 2. *The recorded step under each policy* (64x64 float32 Navier–Stokes RK4 + CNN closure,
-   ``benchmarks/ns_step.py``; and a wider closure): the kept tape as the profiler measures it
-   (``profile_step(..., policy=...)``: the selective-checkpoint cache), and the time of
+   ``benchmarks/ns_step.py``; and a wider closure), eager and in a ``CompiledPolicy``: the
+   kept tape as the profiler measures it (``profile_step(..., policy=...)``: the
+   selective-checkpoint cache, or the compiled backward node's saved tensors), and the time of
    recording + backward, median of interleaved repeats so that load on the machine hits
    every policy alike; the gradient of one step against plain autograd.
 3. *End to end at T = 4000 under a fixed budget*, one subprocess per row (peak RSS is its
    own): the planner's choice; each policy forced on the recorded tail with the fewest
-   recomputations its smaller tapes fit in the same budget; and with ``--bf16``, at a small
-   budget, bf16 snapshots against exact ones (more slots, the gradient error they cost).
+   recomputations its smaller tapes fit in the same budget (``CompiledPolicy("save_fft")``
+   too, compiled before the clock starts); the planner's row
+   again from an initial state perturbed by 1e-7 (relative), to show how much any rounding
+   difference changes this chaotic flow's gradient at T; and with ``--bf16``,
+   at a small budget, bf16 snapshots against exact ones (more slots, the gradient error they cost).
 4. If ``benchmarks/chain.py`` exists, its quick run (see HOOK(chain) below).
 """
 
@@ -39,13 +43,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 MiB = 2**20
-FFT_ONLY = "fft_only"  # a custom policy: an op list, the FFT outputs only
+COMPILED = ("save_expensive", "save_fft", "recompute_all")  # policies also run compiled
 
 
-def policies() -> dict:
-    ops = [torch.ops.aten._fft_r2c.default, torch.ops.aten._fft_c2r.default]
-    return {"none": "none", "save_expensive": "save_expensive",
-            "recompute_all": "recompute_all", FFT_ONLY: ops}
+def policies(compiled: bool = True) -> dict:
+    """Row name -> policy: the eager names, and each of ``COMPILED`` in a CompiledPolicy."""
+    from deepsolve import CompiledPolicy
+
+    out = {name: name for name in ("none", "save_expensive", "save_fft", "recompute_all")}
+    if compiled:
+        out.update({f"compiled:{name}": CompiledPolicy(name) for name in COMPILED})
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -104,11 +112,11 @@ def tape_sources(step, w0) -> list[str]:
 # 2. the recorded step under each policy
 
 
-def step_table(configs, rounds: int) -> tuple[list[str], list[dict]]:
+def step_table(configs, rounds: int, compiled: bool = True) -> tuple[list[str], list[dict]]:
     import ns_step
     from torch.utils.checkpoint import checkpoint
 
-    from deepsolve.executor import policy_context
+    from deepsolve.executor import CompiledPolicy, _Step, policy_context, saved_bytes
     from deepsolve.memory import profile_step
 
     lines = ["| closure | policy | kept tape [KiB] | tape / none | record [ms] | backward [ms] "
@@ -118,10 +126,24 @@ def step_table(configs, rounds: int) -> tuple[list[str], list[dict]]:
     for label, kw in configs:
         step, w0, closure = ns_step.make(**kw)
         params = list(closure.parameters())
-        pols = policies()
+        pols = policies(compiled)
         tapes = {name: profile_step(step, w0, policy=p, cache=False, repeats=1).tape_bytes
                  for name, p in pols.items()}
-        ctx = {name: policy_context(p) for name, p in pols.items()}
+        ctx = {name: policy_context(p) for name, p in pols.items() if p is not None}
+        # a compiled policy records as the executor does: the compiled (i, *leaves) function
+        run = {name: p.compiled_step(_Step(step, None, [w0], False), True)
+               for name, p in pols.items() if isinstance(p, CompiledPolicy)}
+        if compiled:  # for reference: the step compiled without any policy
+            name = "torch.compile(step), no policy"
+            plain_c = torch.compile(step)
+            xi = w0.detach().requires_grad_()
+            for _ in range(3):  # compile, then the recompilation with a dynamic i
+                plain_c(xi, _).sum().backward()
+            y = plain_c(xi, 0)
+            found = [t for t in params if t.requires_grad]
+            tapes[name] = saved_bytes([y], [xi, *found])
+            pols[name] = None
+            run[name] = lambda i, x, f=plain_c: ([f(x, i)], [])
         times: dict[str, list] = {name: [] for name in pols}
         grads = {}
         x = w0.detach()
@@ -135,7 +157,9 @@ def step_table(configs, rounds: int) -> tuple[list[str], list[dict]]:
             for name in pols:
                 xi = x.detach().requires_grad_()
                 t0 = time.perf_counter()
-                if ctx[name] is None:
+                if name in run:
+                    y = run[name](0, xi)[0][0]
+                elif ctx[name] is None:
                     y = step(xi, 0)
                 else:
                     y = checkpoint(step, xi, 0, use_reentrant=False, context_fn=ctx[name])
@@ -209,8 +233,11 @@ def child(mode: str, T: int, budget: int, out: str) -> dict:
     row: dict = {"mode": mode, "T": T, "budget": budget}
     with torch.no_grad():
         step(w0, 0)
-    if mode in ("save_expensive", "recompute_all"):
-        q = profile_step(step, w0, policy=mode)
+    forced = mode in ("save_expensive", "recompute_all") or mode.startswith("compiled:")
+    if forced:
+        policy = (deepsolve.CompiledPolicy(mode.partition(":")[2])
+                  if mode.startswith("compiled:") else mode)
+        q = profile_step(step, w0, policy=policy)  # (compiles a CompiledPolicy)
         s, m = fewest_recomputations(p, q, T, budget)
         sched = S.store_all(T) if m == T else S.revolve_tail(T, s, m)
         row["plan"] = (f"store_all [{mode}]" if m == T
@@ -219,6 +246,10 @@ def child(mode: str, T: int, budget: int, out: str) -> dict:
                                                (s, m))
         row["kept"] = m
     else:
+        if mode == "perturbed":  # the flow's sensitivity: x_0 changed by 1e-7 (relative)
+            g = torch.Generator().manual_seed(1)
+            w = (w0 * (1 + 1e-7 * torch.randn(w0.shape, generator=g, dtype=w0.dtype)))
+            w = w.detach().requires_grad_()
         dtype = torch.bfloat16 if mode == "bf16" else None
         plan = deepsolve.plan(step, w0, T, budget=budget, snapshot_dtype=dtype)
         row["plan"] = plan.describe() + (" + bf16 snapshots" if dtype is not None else "")
@@ -228,8 +259,8 @@ def child(mode: str, T: int, budget: int, out: str) -> dict:
     can_reset = reset_high_water_mark()
     base = process_status("VmRSS:")
     t0 = time.perf_counter()
-    if mode in ("save_expensive", "recompute_all"):
-        y = execute(step, w, sched, policy=mode, stats=st)
+    if forced:
+        y = execute(step, w, sched, policy=policy, stats=st)
     else:
         y = deepsolve.unroll(step, w, T, budget=budget, stats=st,
                              snapshot_dtype=torch.bfloat16 if mode == "bf16" else None)
@@ -244,7 +275,8 @@ def child(mode: str, T: int, budget: int, out: str) -> dict:
 
 
 def end_to_end(T: int, budget: int, small: int, bf16: bool) -> list[str]:
-    runs = [("planner", budget), ("save_expensive", budget), ("recompute_all", budget)]
+    runs = [("planner", budget), ("save_expensive", budget), ("recompute_all", budget),
+            ("compiled:save_fft", budget), ("perturbed", budget)]
     if bf16:
         runs += [("exact", small), ("bf16", small)]
     rows = []
@@ -316,6 +348,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true",
                     help="add bf16 vs exact snapshots at --small-budget (two more T-step runs)")
     ap.add_argument("--no-end-to-end", action="store_true", help="sections 1-2 only")
+    ap.add_argument("--end-to-end-only", action="store_true", help="section 3 only")
     ap.add_argument("--no-chain", action="store_true", help="skip benchmarks/chain.py")
     ap.add_argument("--chain-args", help="arguments for benchmarks/chain.py (default: quick)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -332,14 +365,15 @@ def main() -> None:
     T = args.steps or (400 if args.quick else 4000)
     rounds = args.rounds or (8 if args.quick else 30)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread\n")
-    print("## 1. Where one recorded step's tape comes from (64x64, width 16)\n")
-    step, w0, _ = ns_step.make()
-    print("\n".join(tape_sources(step, w0)))
-    print("\n## 2. The recorded step under each policy\n")
-    configs = [("width 16, batch 1", dict()),
-               ("width 32, batch 4", dict(width=32, batch=4))]
-    lines, _ = step_table(configs, rounds)
-    print("\n".join(lines))
+    if not args.end_to_end_only:
+        print("## 1. Where one recorded step's tape comes from (64x64, width 16)\n")
+        step, w0, _ = ns_step.make()
+        print("\n".join(tape_sources(step, w0)))
+        print("\n## 2. The recorded step under each policy\n")
+        configs = [("width 16, batch 1", dict()),
+                   ("width 32, batch 4", dict(width=32, batch=4))]
+        lines, _ = step_table(configs, rounds)
+        print("\n".join(lines))
     if not args.no_end_to_end:
         budget = parse_budget(args.budget)
         small = parse_budget(args.small_budget)

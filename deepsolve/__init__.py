@@ -15,6 +15,7 @@ Public surface:
 """
 
 from . import schedules
+from .executor import CompiledPolicy
 from .fixed_point import FixedPointError, FixedPointStats, FixedPointWarning, fixed_point
 from .memory import BudgetError, Plan, plan
 from .problem import Context, Problem
@@ -24,7 +25,8 @@ from .unroll import UnrollStats, unroll
 __version__ = "0.1.0"
 
 __all__ = [
-    "schedules", "unroll", "UnrollStats", "plan", "Plan", "BudgetError", "Problem", "Context",
+    "schedules", "unroll", "UnrollStats", "CompiledPolicy", "plan", "Plan", "BudgetError",
+    "Problem", "Context",
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
     "sequential", "SequentialStats",
     "__version__",

@@ -114,9 +114,12 @@ def unroll(
             checkpointing, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``):
             ``"none"`` (plain autograd), ``"save_expensive"`` (keep the outputs of matrix
             products, convolutions, FFTs, attention and dense solves; recompute pointwise
-            ops), ``"recompute_all"`` (keep only the step's input), a policy function
-            ``(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy`` or a
-            list of op overloads to save. It applies to the tapes a schedule keeps (every
+            ops), ``"save_fft"`` (keep FFT outputs only), ``"recompute_all"`` (keep only
+            the step's input), a policy function
+            ``(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy``, a
+            list of op overloads to save, or any of these in
+            :class:`deepsolve.CompiledPolicy` (applied by ``torch.compile``'s partitioner:
+            no per-op dispatch at run time, one compilation per step function). It applies to the tapes a schedule keeps (every
             step of ``store_all``, ``Record`` ranges of ``revolve_tail``, ``periodic``,
             ``mixed``), not to a step reversed as soon as it is recorded. Gradients stay
             exact. Default: ``"none"``, or with ``budget`` the planner's choice.

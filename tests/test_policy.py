@@ -224,3 +224,76 @@ def test_unroll_with_budget_and_policy_is_exact():
     y = execute(step, x0, S.revolve_tail(n, s_t, m), policy="save_expensive")
     for a, b in zip(torch.autograd.grad(y.pow(2).sum(), [x0, W]), ref, strict=True):
         assert rel(a, b) <= 1e-10
+
+
+# ----------------------------------------------------------------------------------------
+# policies applied by torch.compile (CompiledPolicy)
+
+
+def test_saved_bytes_reads_the_same_tape_as_the_profiler():
+    """``saved_bytes`` (which measures compiled tapes) agrees with the saved-tensor hooks
+    the plain profile uses."""
+    step, x0 = pointwise_heavy()
+    x = x0.clone().requires_grad_()
+    y = step(x, 0)
+    W = next(t for t in executor._graph_leaves([y], {}, 0, set()) if t is not x)
+    graph = executor.saved_bytes([y], (x, W))
+    hooks = profile_step(step, x0, repeats=1).tape_bytes
+    assert hooks >= 4 * x0.numel() * 8  # h, sin h, cos h, exp(...)
+    assert 0 <= graph - hooks <= 16  # the graph also shows the 0-dim scalar 0.01 it keeps
+
+
+@pytest.fixture(scope="module")
+def compiled_fft():
+    return deepsolve.CompiledPolicy("save_fft")
+
+
+@pytest.mark.parametrize("schedule", [S.store_all(N), S.revolve_tail(N, 3, 5)],
+                         ids=lambda s: s.kind)
+def test_compiled_policy_gradients_equal_plain_autograd(schedule, reference, compiled_fft):
+    step, x0, leaves = make_step()
+    stats = deepsolve.UnrollStats()
+    y, e = execute(step, x0, schedule, policy=compiled_fft, stats=stats)
+    grads = torch.autograd.grad(y.pow(2).sum() + e.sum(), leaves)
+    for g, r in zip(grads, reference, strict=True):
+        assert rel(g, r) <= 1e-10
+    assert stats.extra["policy"] == "compiled:save_fft"
+    # the kept steps ran the compiled function: one is cached for this step and structure
+    assert len(compiled_fft._cache) >= 1
+
+
+def test_compiled_policies_shrink_the_measured_tape():
+    step, x0 = pointwise_heavy()
+    plain = profile_step(step, x0, repeats=1)
+    keep = profile_step(step, x0, repeats=1, policy=deepsolve.CompiledPolicy("save_expensive"))
+    alls = profile_step(step, x0, repeats=1, policy=deepsolve.CompiledPolicy("recompute_all"))
+    assert keep.policy == "compiled:save_expensive" and alls.policy == "compiled:recompute_all"
+    assert keep.tape_bytes <= plain.state_bytes < plain.tape_bytes  # at most h = x @ W
+    assert alls.tape_bytes < plain.state_bytes  # nothing state-sized
+    assert keep.base_tape_bytes == plain.tape_bytes
+
+
+def test_compiled_policy_under_a_budget_is_exact(reference, compiled_fft):
+    """The planner profiles the compiled policy (its tape read from the compiled graph) and
+    hands the caller's object to the executor; gradients equal plain autograd's."""
+    step, x0, leaves = make_step()
+    p = profile_step(step, x0.detach(), cache=False)
+    q = profile_step(step, x0.detach(), policy=compiled_fft)
+    assert 0 < q.tape_bytes < p.tape_bytes
+    budget = (predicted_peak(q, N, "store_all") + predicted_peak(p, N, "store_all")) // 2
+    st = deepsolve.UnrollStats()
+    y, e = deepsolve.unroll(step, x0, N, budget=budget, policy=compiled_fft, stats=st)
+    for g, r in zip(torch.autograd.grad(y.pow(2).sum() + e.sum(), leaves), reference,
+                    strict=True):
+        assert rel(g, r) <= 1e-10
+    plan = st.extra["plan"]
+    assert plan.policy is compiled_fft and plan.predicted_peak <= budget
+    assert plan.kind in ("store_all", "revolve_tail")
+    assert "compiled:save_fft" in plan.explain()
+
+
+def test_compiled_policy_bad_input_is_one_line_errors():
+    with pytest.raises(ValueError, match="give the policy to compile"):
+        deepsolve.CompiledPolicy("none")
+    with pytest.raises(ValueError, match="unknown policy 'cheap'"):
+        deepsolve.CompiledPolicy("cheap")

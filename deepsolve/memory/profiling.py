@@ -38,7 +38,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..executor import _graph_leaves, policy_context, policy_name
+from ..executor import (
+    CompiledPolicy,
+    _graph_leaves,
+    _Recorder,
+    _Step,
+    policy_context,
+    policy_name,
+    saved_bytes,
+)
 
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
@@ -282,30 +290,48 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
         modes.append(ctx[0])
         return ctx
 
+    compiled = None
+    if isinstance(policy, CompiledPolicy):  # record as the executor does: the compiled step
+        compiled = _Step(step, spec, x, None)
+        with torch.enable_grad():
+            compiled.first([t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+                            for t in x], 0)  # decides whether the step has outputs
+        recorder = _Recorder(context_fn, True, policy)
+        for i in (1, 0):  # compile; then recompile with the step index dynamic, so that
+            with torch.enable_grad():  # an unroll's later steps run without recompiling
+                recorder(compiled, [t.detach().requires_grad_(t.is_floating_point()
+                                                              or t.is_complex())
+                                    for t in x], i)
     t_rec, t_bwd, tapes = [], [], []
-    for r in range(repeats + 1):  # the first run is a warm-up
+    for r in range(repeats + 1):  # the first run is a warm-up (and the compilation)
         modes.clear()
         x_in = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in x]
         _sync(cuda)
         t0 = time.perf_counter()
         with torch.enable_grad():
-            y, out = checkpoint(_call, step, x_in, spec, 0, use_reentrant=False,
-                                context_fn=capture)
+            if compiled is not None:
+                y, out = recorder(compiled, x_in, 0)
+            else:
+                y, out = checkpoint(_call, step, x_in, spec, 0, use_reentrant=False,
+                                    context_fn=capture)
         _sync(cuda)
         t1 = time.perf_counter()
         roots = [t for t in (*y, *out) if t.requires_grad]
         in_ids = {id(t) for t in x_in}
         found = [p for p in (_graph_leaves(roots, {}, 0, set()) if params is None
                              else list(params)) if id(p) not in in_ids]
-        skip = {t.untyped_storage().data_ptr() for t in (*x_in, *found)}
-        held: dict[int, int] = {}
-        for m in modes:
-            for t in _cached_tensors(getattr(m, "storage", None)):
-                st = t.untyped_storage()
-                if st.data_ptr() not in skip:
-                    held[st.data_ptr()] = st.nbytes()
-        tapes.append(sum(held.values()))
-        del held
+        if compiled is not None:  # the compiled backward node holds the tape
+            tapes.append(saved_bytes(roots, (*x_in, *found)))
+        else:
+            skip = {t.untyped_storage().data_ptr() for t in (*x_in, *found)}
+            held: dict[int, int] = {}
+            for m in modes:
+                for t in _cached_tensors(getattr(m, "storage", None)):
+                    st = t.untyped_storage()
+                    if st.data_ptr() not in skip:
+                        held[st.data_ptr()] = st.nbytes()
+            tapes.append(sum(held.values()))
+            del held
         inputs = [t for t in x_in if t.requires_grad] + [p for p in found if p.requires_grad]
         if roots and inputs:
             torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
