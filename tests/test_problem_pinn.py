@@ -113,7 +113,8 @@ def test_kovasznay_solution_solves_navier_stokes():
 TINY_NS = ["n_interior=64", "n_boundary=40", "width=8", "depth=2", "test_grid=11",
            "compile=false", "adam_iterations=3", "lbfgs_iters=3", "eval_every=2"]
 TINY_BURGERS = ["n_collocation=64", "n_data=30", "width=8", "depth=2", "adam_iterations=3",
-                "lbfgs_iters=3", "eval_every=2", "quad_nodes=60", "compile=false"]
+                "lbfgs_iters=3", "eval_every=2", "quad_nodes=60", "compile=false",
+                "constraints=soft"]
 CASES = [
     (KOVASZNAY, TINY_NS, {"momentum_x", "momentum_y", "continuity", "bc_u", "bc_v", "bc_p"},
      {"u_rel_l2", "v_rel_l2", "p_rel_l2", "max_rel_l2"}),
@@ -133,6 +134,42 @@ def test_defaults_and_documented_keys(path, tiny, terms, metrics):
     doc = mod.__doc__
     for name in terms | metrics:
         assert f"``{name}``" in doc
+
+
+def test_hard_constraints_hold_exactly_for_any_network(burgers):
+    """u = -sin(pi x) + t (1 - x^2) N(x, t): the initial and boundary values are exact."""
+    _, mod = burgers
+    torch.manual_seed(1)
+    net = mod.FNN(2, 1, 8, 2, lo=(-1.0, 0.0), hi=(1.0, 1.0), scalar=True).double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_()  # far from zero output
+        model = mod.HardConstrained(net)
+        x = torch.linspace(-1, 1, 101, dtype=torch.float64)
+        t = torch.rand(101, dtype=torch.float64)
+        at0 = model(torch.stack([x, torch.zeros_like(x)], 1))
+        assert (at0 + torch.sin(math.pi * x)).abs().max() < 1e-15
+        for side in (-1.0, 1.0):
+            edge = model(torch.stack([torch.full_like(t, side), t], 1))
+            assert edge.abs().max() < 1e-15
+        inner = model(torch.stack([0.3 * x, 0.5 + 0.4 * t], 1))
+        assert (inner + torch.sin(math.pi * 0.3 * x)).abs().max() > 1e-2  # N matters inside
+
+
+def test_hard_constraints_through_the_trainer(tmp_path):
+    tiny = [s for s in TINY_BURGERS if not s.startswith("constraints=")]
+    res = train(str(BURGERS), sets=tiny + ["constraints=hard"], overrides={"iterations": 5},
+                out=str(tmp_path / "run"), quiet=True)
+    log = read_log(res.log_path)
+    assert log.n_rows == 5 and np.isfinite(log.columns["loss/pde"]).all()
+    assert "loss/initial" not in log.columns and "loss/boundary" not in log.columns
+    assert np.isfinite(log.columns["metric/u_rel_l2"][-1])
+    prob, _ = load_problem(BURGERS)
+    for bad, msg in ((["constraints=hard", "derivatives=taylor"], "needs derivatives"),
+                     (["constraints=exact"], "constraints must be 'soft' or 'hard'")):
+        cfg = apply_overrides(prob.config(), tiny + bad)
+        with pytest.raises(ValueError, match=msg):
+            prob.build(Context(cfg, torch.device("cpu"), torch.float32))
 
 
 @pytest.mark.parametrize("path,tiny,terms,metrics", CASES, ids=["kovasznay", "burgers"])
