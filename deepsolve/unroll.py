@@ -119,10 +119,11 @@ def unroll(
             ``(ctx, op, *args, **kwargs) -> torch.utils.checkpoint.CheckpointPolicy``, a
             list of op overloads to save, or any of these in
             :class:`deepsolve.CompiledPolicy` (applied by ``torch.compile``'s partitioner:
-            no per-op dispatch at run time, one compilation per step function). It applies to the tapes a schedule keeps (every
-            step of ``store_all``, ``Record`` ranges of ``revolve_tail``, ``periodic``,
-            ``mixed``), not to a step reversed as soon as it is recorded. Gradients stay
-            exact. Default: ``"none"``, or with ``budget`` the planner's choice.
+            no per-op dispatch at run time, one compilation per step function). It
+            applies to the tapes a schedule keeps (every step of ``store_all``, ``Record``
+            ranges of ``revolve_tail``, ``periodic``, ``mixed``), not to a step reversed as
+            soon as it is recorded. Gradients stay exact (compiled: up to the compiled
+            kernels' rounding). Default: ``"none"``, or with ``budget`` the planner's choice.
         snapshot_dtype: opt-in, *inexact*: store snapshots (``x_0`` excepted) with their
             floating-point leaves cast to this dtype, e.g. ``torch.bfloat16`` (half the
             memory of float32 snapshots); restored states are cast back, so recomputed steps
