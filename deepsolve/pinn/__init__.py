@@ -11,6 +11,9 @@
 * :mod:`.sampling` — :class:`Collocation` sets that resample every K iterations and grow by
   residual-based adaptive refinement (RAR).
 * :mod:`.weighting` — fixed weights and learning-rate annealing (:func:`make_weights`).
+* :mod:`.causal` — causal residual weighting for time-dependent problems
+  (:func:`causal_loss`, :class:`CausalWeighting` with its ``eps`` schedule) and time-sliced
+  collocation points (:func:`sample_time_slices`).
 * :mod:`.chunked` — mean squared residuals over large sets in recomputed chunks whose size
   follows a memory budget (:class:`ChunkedResidual`).
 * :mod:`.optim` — :class:`AdamLBFGS`, Adam then L-BFGS; :func:`switch_precision`.
@@ -18,6 +21,7 @@
 See docs/pinn.md.
 """
 
+from .causal import PAPER_EPS, CausalWeighting, causal_loss, causal_weights, sample_time_slices
 from .chunked import (
     ChunkedResidual,
     SavedBytes,
@@ -52,4 +56,5 @@ __all__ = [
     "SavedBytes", "bytes_per_point", "chunk_size_for_budget", "chunked_sum", "chunked_mse",
     "ChunkedResidual",
     "AdamLBFGS", "switch_precision",
+    "causal_loss", "causal_weights", "CausalWeighting", "sample_time_slices", "PAPER_EPS",
 ]
