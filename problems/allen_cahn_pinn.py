@@ -105,13 +105,12 @@ import torch
 import deepsolve
 from deepsolve.pinn import (
     FNN,
-    AdamLBFGS,
+    AdamLBFGSTraining,
     CausalWeighting,
     Collocation,
     jet,
     make_weights,
     sample_time_slices,
-    switch_precision,
     unit_samples,
 )
 
@@ -233,7 +232,7 @@ class AllenCahnNet(torch.nn.Module):
         return initial_condition(x) + t * n if self.hard else n
 
 
-class AllenCahnPINN(deepsolve.Problem):
+class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
     defaults = {
         # trainer
         "iterations": 1250,        # total trainer iterations: adam_iterations + L-BFGS steps
@@ -341,47 +340,37 @@ class AllenCahnPINN(deepsolve.Problem):
         u = j.value
         return j.jacobian[:, 1] - float(ctx.cfg.d) * j.d(None, 0, 0) + R * (u * u * u - u)
 
-    def _adam_phase(self, ctx, iteration):
-        name = str(ctx.cfg.optimizer)
-        return name == "adam" or (name == "adam+lbfgs"
-                                  and iteration < int(ctx.cfg.adam_iterations))
-
-    def _lbfgs_start(self, ctx):
-        return {"adam+lbfgs": int(ctx.cfg.adam_iterations)}.get(str(ctx.cfg.optimizer), 0)
-
-    def _set_iteration(self, ctx, iteration):
+    def collocation_iteration(self, ctx, iteration):
         """The iteration whose collocation set is used. L-BFGS keeps the last Adam set; with
         ``lbfgs_resample_every = K > 0`` (and ``resample_every = R > 0``) block ``b`` of
         ``K`` L-BFGS steps uses the set of iteration ``last + b R``, a new one per block."""
-        if self._adam_phase(ctx, iteration):
+        if self.adam_phase(ctx, iteration):
             return iteration
-        start = self._lbfgs_start(ctx)
+        start = self.lbfgs_start(ctx)
         last = max(start - 1, 0)
         every, r = int(ctx.cfg.lbfgs_resample_every), int(ctx.cfg.resample_every)
         if every <= 0 or r <= 0:
             return last
         return last + (iteration - start) // every * r
 
-    def _on_step(self, ctx, iteration):
+    def on_step(self, ctx, iteration):
         """Called by the optimizer before each step (:class:`deepsolve.pinn.AdamLBFGS`);
         ``True`` resets the L-BFGS memory. From ``switch_at`` on the model and data are in
         ``switch_dtype``; in the L-BFGS phase the objective also changes when the causal
         ``eps`` advances and when a new block of ``lbfgs_resample_every`` steps draws new
         points — the memory is reset then too."""
         cfg = ctx.cfg
-        at = int(cfg.switch_at)
-        switched = at >= 0 and iteration >= at and switch_precision(
-            ctx.model, ctx.data, getattr(torch, str(cfg.switch_dtype)))
-        if self._adam_phase(ctx, iteration):
+        switched = self.switch_precision_at(ctx, iteration)
+        if self.adam_phase(ctx, iteration):
             return switched
         advanced = ctx.data["causal"].advance(iteration)
-        start, every = self._lbfgs_start(ctx), int(cfg.lbfgs_resample_every)
+        start, every = self.lbfgs_start(ctx), int(cfg.lbfgs_resample_every)
         new_set = every > 0 and iteration > start and (iteration - start) % every == 0
         return switched or advanced or new_set
 
     def residuals(self, ctx, iteration):
         d, cfg = ctx.data, ctx.cfg
-        x = d["collocation"].points(self._set_iteration(ctx, iteration)).to(d["test"].dtype)
+        x = d["collocation"].points(self.collocation_iteration(ctx, iteration)).to(d["test"].dtype)
         r = self.pde(ctx, x)
         terms = {"pde": d["causal"](r.pow(2).reshape(int(cfg.n_slices), -1), iteration)}
         if not _constraints(cfg):
@@ -389,35 +378,14 @@ class AllenCahnPINN(deepsolve.Problem):
         d["weights"].update_from(terms, ctx.model.parameters(), iteration)
         return terms
 
-    def weights(self, ctx):
-        return ctx.data["weights"]
-
     def state_dict(self, ctx):
-        """What a restart needs beyond the model and optimiser: the causal schedule, the
-        (annealed) weights, the collocation set and the precision the run is in."""
-        return {"causal": ctx.data["causal"].state_dict(),
-                "weights": dict(ctx.data["weights"]),
-                "collocation": ctx.data["collocation"].state_dict(),
-                "dtype": str(ctx.data["test"].dtype).removeprefix("torch.")}
+        """The shared restart state (weights, collocation set, precision) and the causal
+        schedule."""
+        return {**super().state_dict(ctx), "causal": ctx.data["causal"].state_dict()}
 
     def load_state_dict(self, ctx, state):
-        if "dtype" in state:  # before the trainer loads the model and the optimiser
-            switch_precision(ctx.model, ctx.data, getattr(torch, state["dtype"]))
+        super().load_state_dict(ctx, state)
         ctx.data["causal"].load_state_dict(state["causal"])
-        ctx.data["weights"].update(state["weights"])
-        ctx.data["collocation"].load_state_dict(state["collocation"])
-
-    def optimizer(self, ctx, params):
-        cfg = ctx.cfg
-        name = str(cfg.optimizer).lower()
-        switch = {"adam": 2**62, "adam+lbfgs": int(cfg.adam_iterations),  # "adam": no end
-                  "lbfgs": 0}.get(name)
-        if switch is not None:
-            return AdamLBFGS(params, switch_at=switch, adam_lr=float(cfg.lr),
-                             max_iter=int(cfg.lbfgs_iters), history_size=int(cfg.lbfgs_history),
-                             on_step=lambda k: self._on_step(ctx, k))
-        raise ValueError(f"optimizer must be 'adam+lbfgs', 'adam' or 'lbfgs', got "
-                         f"{cfg.optimizer!r}")
 
     def scheduler(self, ctx, opt):
         """Adam's learning rate times ``lr_decay`` every ``lr_decay_every`` steps (a smooth

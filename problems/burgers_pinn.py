@@ -75,13 +75,12 @@ from scipy.special import roots_hermite
 import deepsolve
 from deepsolve.pinn import (
     FNN,
-    AdamLBFGS,
+    AdamLBFGSTraining,
     ChunkedResidual,
     Collocation,
     Rectangle,
     jet,
     make_weights,
-    switch_precision,
 )
 
 TERMS = ("pde", "initial", "boundary")
@@ -132,7 +131,7 @@ class HardConstrained(torch.nn.Module):
         return -torch.sin(math.pi * x) + t * (1 - x * x) * self.net(p)
 
 
-class BurgersPINN(deepsolve.Problem):
+class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
     defaults = {
         # trainer
         "iterations": 1150,        # total trainer iterations: adam_iterations + L-BFGS steps
@@ -242,33 +241,14 @@ class BurgersPINN(deepsolve.Problem):
         u_xx = j.d(None, 0, 0)
         return u_t + u * u_x - float(ctx.cfg.nu) * u_xx
 
-    def _adam_phase(self, ctx, iteration):
-        name = str(ctx.cfg.optimizer)
-        return name == "adam" or (name == "adam+lbfgs"
-                                  and iteration < int(ctx.cfg.adam_iterations))
-
-    def _set_iteration(self, ctx, iteration):
-        if self._adam_phase(ctx, iteration):
-            return iteration
-        name = str(ctx.cfg.optimizer)
-        return max(int(ctx.cfg.adam_iterations) - 1, 0) if name == "adam+lbfgs" else 0
-
-    def _switch_precision(self, ctx, iteration):
-        """From iteration ``switch_at`` on, model and data are in ``switch_dtype``; called
-        by the optimizer before each step (:class:`deepsolve.pinn.AdamLBFGS`)."""
-        at = int(ctx.cfg.switch_at)
-        if at < 0 or iteration < at:
-            return False
-        return switch_precision(ctx.model, ctx.data, getattr(torch, str(ctx.cfg.switch_dtype)))
-
     def residuals(self, ctx, iteration):
         d, cfg = ctx.data, ctx.cfg
         coll = d["collocation"]
         if (int(cfg.rar_every) > 0 and iteration > 0 and iteration % int(cfg.rar_every) == 0
-                and self._adam_phase(ctx, iteration)):
+                and self.adam_phase(ctx, iteration)):
             coll.refine(lambda x: self.pde(ctx, x), int(cfg.rar_pool), int(cfg.rar_add),
                         iteration=iteration)
-        x = coll.points(self._set_iteration(ctx, iteration)).to(d["test"].dtype)
+        x = coll.points(self.collocation_iteration(ctx, iteration)).to(d["test"].dtype)
         terms = {"pde": d["residual"](x)}
         if _constraints(cfg):  # initial and boundary values hold exactly
             d["weights"].update_from(terms, ctx.model.parameters(), iteration)
@@ -277,34 +257,6 @@ class BurgersPINN(deepsolve.Problem):
         terms["boundary"] = (ctx.model(d["x_boundary"]) - d["u_boundary"]).pow(2).mean()
         d["weights"].update_from(terms, ctx.model.parameters(), iteration)
         return terms
-
-    def weights(self, ctx):
-        return ctx.data["weights"]
-
-    def state_dict(self, ctx):
-        """What a restart needs beyond the model and optimiser: the (annealed) weights, the
-        collocation set (RAR points) and the precision the run is in."""
-        return {"weights": dict(ctx.data["weights"]),
-                "collocation": ctx.data["collocation"].state_dict(),
-                "dtype": str(ctx.data["test"].dtype).removeprefix("torch.")}
-
-    def load_state_dict(self, ctx, state):
-        if "dtype" in state:  # before the trainer loads the model and the optimiser
-            switch_precision(ctx.model, ctx.data, getattr(torch, state["dtype"]))
-        ctx.data["weights"].update(state["weights"])
-        ctx.data["collocation"].load_state_dict(state["collocation"])
-
-    def optimizer(self, ctx, params):
-        cfg = ctx.cfg
-        name = str(cfg.optimizer).lower()
-        switch = {"adam": int(cfg.iterations), "adam+lbfgs": int(cfg.adam_iterations),
-                  "lbfgs": 0}.get(name)
-        if switch is not None:
-            return AdamLBFGS(params, switch_at=switch, adam_lr=float(cfg.lr),
-                             max_iter=int(cfg.lbfgs_iters), history_size=int(cfg.lbfgs_history),
-                             on_step=lambda k: self._switch_precision(ctx, k))
-        raise ValueError(f"optimizer must be 'adam+lbfgs', 'adam' or 'lbfgs', got "
-                         f"{cfg.optimizer!r}")
 
     def evaluate(self, ctx):
         d = ctx.data

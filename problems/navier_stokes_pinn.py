@@ -78,13 +78,12 @@ import torch
 import deepsolve
 from deepsolve.pinn import (
     FNN,
-    AdamLBFGS,
+    AdamLBFGSTraining,
     ChunkedResidual,
     Collocation,
     Rectangle,
     jet,
     make_weights,
-    switch_precision,
 )
 
 TERMS = ("momentum_x", "momentum_y", "continuity", "bc_u", "bc_v", "bc_p")
@@ -103,7 +102,10 @@ def kovasznay(xy: torch.Tensor, re: float) -> torch.Tensor:
     return torch.stack((u, v, p), -1)
 
 
-class KovasznayPINN(deepsolve.Problem):
+class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
+    collocation_key = "interior"  # restart state: the interior set and the dtype of xb
+    dtype_key = "xb"
+
     defaults = {
         # trainer
         "iterations": 2300,        # total trainer iterations: adam_iterations + L-BFGS steps
@@ -199,35 +201,15 @@ class KovasznayPINN(deepsolve.Problem):
             "continuity": u_x + v_y,
         }
 
-    def _adam_phase(self, ctx, iteration):
-        name = str(ctx.cfg.optimizer)
-        return name == "adam" or (name == "adam+lbfgs"
-                                  and iteration < int(ctx.cfg.adam_iterations))
-
-    def _set_iteration(self, ctx, iteration):
-        """The iteration whose collocation set is used: L-BFGS keeps the last Adam set."""
-        if self._adam_phase(ctx, iteration):
-            return iteration
-        name = str(ctx.cfg.optimizer)
-        return max(int(ctx.cfg.adam_iterations) - 1, 0) if name == "adam+lbfgs" else 0
-
-    def _switch_precision(self, ctx, iteration):
-        """From iteration ``switch_at`` on, model and data are in ``switch_dtype``; called
-        by the optimizer before each step (:class:`deepsolve.pinn.AdamLBFGS`)."""
-        at = int(ctx.cfg.switch_at)
-        if at < 0 or iteration < at:
-            return False
-        return switch_precision(ctx.model, ctx.data, getattr(torch, str(ctx.cfg.switch_dtype)))
-
     def residuals(self, ctx, iteration):
         d = ctx.data
         cfg = ctx.cfg
         coll = d["interior"]
         if (int(cfg.rar_every) > 0 and iteration > 0 and iteration % int(cfg.rar_every) == 0
-                and self._adam_phase(ctx, iteration)):
+                and self.adam_phase(ctx, iteration)):
             coll.refine(lambda x: self.pde(ctx, x), int(cfg.rar_pool), int(cfg.rar_add),
                         iteration=iteration)
-        x = coll.points(self._set_iteration(ctx, iteration)).to(d["xb"].dtype)
+        x = coll.points(self.collocation_iteration(ctx, iteration)).to(d["xb"].dtype)
         terms = dict(d["residual"](x))
         pred = ctx.model(d["xb"])
         err = pred - d["ub"]
@@ -236,34 +218,6 @@ class KovasznayPINN(deepsolve.Problem):
         terms["bc_p"] = err[d["outflow"], 2].pow(2).mean()
         d["weights"].update_from(terms, ctx.model.parameters(), iteration)
         return terms
-
-    def weights(self, ctx):
-        return ctx.data["weights"]
-
-    def state_dict(self, ctx):
-        """What a restart needs beyond the model and optimiser: the (annealed) weights, the
-        collocation set (RAR points) and the precision the run is in."""
-        return {"weights": dict(ctx.data["weights"]),
-                "collocation": ctx.data["interior"].state_dict(),
-                "dtype": str(ctx.data["xb"].dtype).removeprefix("torch.")}
-
-    def load_state_dict(self, ctx, state):
-        if "dtype" in state:  # before the trainer loads the model and the optimiser
-            switch_precision(ctx.model, ctx.data, getattr(torch, state["dtype"]))
-        ctx.data["weights"].update(state["weights"])
-        ctx.data["interior"].load_state_dict(state["collocation"])
-
-    def optimizer(self, ctx, params):
-        cfg = ctx.cfg
-        name = str(cfg.optimizer).lower()
-        switch = {"adam": int(cfg.iterations), "adam+lbfgs": int(cfg.adam_iterations),
-                  "lbfgs": 0}.get(name)
-        if switch is not None:
-            return AdamLBFGS(params, switch_at=switch, adam_lr=float(cfg.lr),
-                             max_iter=int(cfg.lbfgs_iters), history_size=int(cfg.lbfgs_history),
-                             on_step=lambda k: self._switch_precision(ctx, k))
-        raise ValueError(f"optimizer must be 'adam+lbfgs', 'adam' or 'lbfgs', got "
-                         f"{cfg.optimizer!r}")
 
     def evaluate(self, ctx):
         d = ctx.data

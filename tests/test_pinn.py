@@ -616,3 +616,52 @@ def test_lbfgs_rescaling_keeps_tiny_float32_losses_moving():
     ours, grad = run(lambda p: P.AdamLBFGS(p, switch_at=0, max_iter=20))
     assert plain > 1e-3 and ours < 1e-5
     assert grad < 1e-2          # the true gradient (~1e-6 scale), not the rescaled one (~1)
+
+
+# ----------------------------------------------------------------------------------------
+# AdamLBFGSTraining: the hooks PINN problem classes share
+
+
+def _mixin_ctx(**cfg):
+    from types import SimpleNamespace
+
+    base = dict(optimizer="adam+lbfgs", adam_iterations=4, lr=1e-3, lbfgs_iters=2,
+                lbfgs_history=5, switch_at=-1, switch_dtype="float64")
+    base.update(cfg)
+    model = torch.nn.Linear(2, 1)
+    coll = P.Collocation(lambda n, s: torch.rand(n, 2, generator=torch.Generator()
+                                                 .manual_seed(s)), 8, resample_every=1)
+    data = {"weights": P.make_weights("fixed", {"pde": 1.0}), "collocation": coll,
+            "test": torch.zeros(3)}
+    return SimpleNamespace(cfg=SimpleNamespace(**base), model=model, data=data)
+
+
+@pytest.mark.parametrize("name,start,used", [("adam+lbfgs", 4, [0, 1, 2, 3, 3, 3]),
+                                             ("adam", 2**62, [0, 1, 2, 3, 4, 5]),
+                                             ("lbfgs", 0, [0, 0, 0, 0, 0, 0])])
+def test_training_mixin_phases_and_point_sets(name, start, used):
+    mix = P.AdamLBFGSTraining()
+    ctx = _mixin_ctx(optimizer=name)
+    assert mix.lbfgs_start(ctx) == start
+    assert [mix.adam_phase(ctx, k) for k in range(6)] == [k < start for k in range(6)]
+    assert [mix.collocation_iteration(ctx, k) for k in range(6)] == used
+    opt = mix.optimizer(ctx, list(ctx.model.parameters()))
+    assert isinstance(opt, P.AdamLBFGS)
+    with pytest.raises(ValueError, match="optimizer must be 'adam\\+lbfgs', 'adam' or 'lbfgs'"):
+        mix.optimizer(_mixin_ctx(optimizer="sgd"), list(ctx.model.parameters()))
+
+
+def test_training_mixin_switches_precision_and_restores_it():
+    mix = P.AdamLBFGSTraining()
+    ctx = _mixin_ctx(switch_at=3)
+    assert not mix.on_step(ctx, 2) and ctx.model.weight.dtype == torch.float32
+    assert mix.on_step(ctx, 3)  # switched now: the L-BFGS memory must be reset
+    assert ctx.model.weight.dtype == torch.float64 and ctx.data["test"].dtype == torch.float64
+    assert not mix.on_step(ctx, 4)  # already there
+    ctx.data["weights"]["pde"] = 3.0
+    state = mix.state_dict(ctx)
+    assert state["dtype"] == "float64" and state["weights"] == {"pde": 3.0}
+    fresh = _mixin_ctx(switch_at=3)
+    mix.load_state_dict(fresh, state)
+    assert fresh.model.weight.dtype == torch.float64 and fresh.data["weights"]["pde"] == 3.0
+    assert fresh.data["collocation"].state_dict().keys() == state["collocation"].keys()

@@ -163,18 +163,18 @@ def test_lbfgs_blocks_draw_new_points_and_reset_the_memory(ac):
     prob, _ = ac
     ctx = make_ctx(prob, ["optimizer=adam+lbfgs", "adam_iterations=3", "lbfgs_resample_every=2",
                           "switch_at=-1", "causal_eps=[1.0]"])
-    used = [prob._set_iteration(ctx, k) for k in range(9)]
+    used = [prob.collocation_iteration(ctx, k) for k in range(9)]
     assert used == [0, 1, 2, 2, 2, 3, 3, 4, 4]        # Adam: every step; L-BFGS: per block
     coll = ctx.data["collocation"]
     assert not torch.equal(coll.points(used[5]), coll.points(used[4]))
-    resets = [prob._on_step(ctx, k) for k in range(9)]
+    resets = [prob.on_step(ctx, k) for k in range(9)]
     assert resets == [False] * 5 + [True, False, True, False]
     # an eps advance in the L-BFGS phase resets the memory too
     ctx = make_ctx(prob, ["optimizer=adam+lbfgs", "adam_iterations=1", "lbfgs_resample_every=0",
                           "switch_at=-1", "causal_eps=1e-6,1e-5"])
     prob.residuals(ctx, 1)                            # tiny eps: min weight ~ 1
-    assert prob._on_step(ctx, 2) and ctx.data["causal"].eps == 1e-5
-    assert not prob._on_step(ctx, 3)
+    assert prob.on_step(ctx, 2) and ctx.data["causal"].eps == 1e-5
+    assert not prob.on_step(ctx, 3)
 
 
 def test_state_round_trips(ac):

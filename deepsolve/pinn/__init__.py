@@ -17,6 +17,8 @@
 * :mod:`.chunked` — mean squared residuals over large sets in recomputed chunks whose size
   follows a memory budget (:class:`ChunkedResidual`).
 * :mod:`.optim` — :class:`AdamLBFGS`, Adam then L-BFGS; :func:`switch_precision`.
+* :mod:`.training` — :class:`AdamLBFGSTraining`, the optimiser, precision-switch and
+  restart-state hooks that PINN problem classes share.
 
 See docs/pinn.md.
 """
@@ -45,6 +47,7 @@ from .geometry import Box, Interval, Rectangle, SpaceTime, unit_samples
 from .networks import ACTIVATIONS, FNN
 from .optim import AdamLBFGS, switch_precision
 from .sampling import Collocation, residual_magnitude, select_largest
+from .training import OPTIMIZERS, AdamLBFGSTraining
 from .weighting import AnnealingWeights, FixedWeights, Weights, make_weights
 
 __all__ = [
@@ -55,6 +58,6 @@ __all__ = [
     "Weights", "FixedWeights", "AnnealingWeights", "make_weights",
     "SavedBytes", "bytes_per_point", "chunk_size_for_budget", "chunked_sum", "chunked_mse",
     "ChunkedResidual",
-    "AdamLBFGS", "switch_precision",
+    "AdamLBFGS", "switch_precision", "AdamLBFGSTraining", "OPTIMIZERS",
     "causal_loss", "causal_weights", "CausalWeighting", "sample_time_slices", "PAPER_EPS",
 ]

@@ -1,0 +1,109 @@
+r"""The Adam → L-BFGS training plumbing that PINN problem files share.
+
+:class:`AdamLBFGSTraining` is a mixin for a problem class (``class MyPINN(AdamLBFGSTraining,
+deepsolve.Problem)``). It supplies, from the problem's settings, the hooks the trainer calls:
+
+* ``optimizer`` — :class:`~deepsolve.pinn.AdamLBFGS` (``optimizer`` = ``"adam+lbfgs"``: Adam
+  for ``adam_iterations`` steps at ``lr``, then L-BFGS with ``lbfgs_iters`` inner iterations
+  and ``lbfgs_history`` pairs; ``"adam"``; ``"lbfgs"``), whose ``on_step`` hook is
+  :meth:`~AdamLBFGSTraining.on_step`;
+* ``on_step`` — from iteration ``switch_at`` (``-1``: never) on, model and data are in
+  ``switch_dtype`` (:func:`~deepsolve.pinn.switch_precision`); returns whether the L-BFGS
+  memory must be reset. Override it to reset on other changes of the objective;
+* ``weights`` — ``ctx.data["weights"]`` (a :class:`~deepsolve.pinn.Weights`);
+* ``state_dict`` / ``load_state_dict`` — the weights, the collocation set
+  (``ctx.data[collocation_key]``, RAR points included) and the run's precision (the dtype of
+  ``ctx.data[dtype_key]``), restored before the trainer loads model and optimiser.
+
+and two helpers for ``residuals``: :meth:`~AdamLBFGSTraining.adam_phase` and
+:meth:`~AdamLBFGSTraining.collocation_iteration` (L-BFGS keeps the last Adam point set, so it
+minimises one fixed objective). It reads only ``ctx.cfg``, ``ctx.data`` and ``ctx.model``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .optim import AdamLBFGS, switch_precision
+
+__all__ = ["AdamLBFGSTraining", "OPTIMIZERS"]
+
+OPTIMIZERS = ("adam+lbfgs", "adam", "lbfgs")
+"""The values of the ``optimizer`` setting."""
+
+
+class AdamLBFGSTraining:
+    """Mixin: Adam then L-BFGS, a precision switch and restart state for a PINN problem (see
+    the module docstring for the settings it reads).
+
+    Attributes:
+        collocation_key: the ``ctx.data`` key of the :class:`~deepsolve.pinn.Collocation` set
+            whose state goes into restart files (``None``: none).
+        dtype_key: the ``ctx.data`` key of a tensor in the run's current precision.
+    """
+
+    collocation_key: str | None = "collocation"
+    dtype_key: str = "test"
+
+    def _optimizer_name(self, ctx) -> str:
+        name = str(ctx.cfg.optimizer).lower()
+        if name not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be 'adam+lbfgs', 'adam' or 'lbfgs', got "
+                             f"{ctx.cfg.optimizer!r}")
+        return name
+
+    def lbfgs_start(self, ctx) -> int:
+        """The first L-BFGS iteration (``adam_iterations``; 0 for ``"lbfgs"``; never for
+        ``"adam"``, reported as a huge number)."""
+        return {"adam+lbfgs": int(ctx.cfg.adam_iterations), "lbfgs": 0}.get(
+            self._optimizer_name(ctx), 2**62)
+
+    def adam_phase(self, ctx, iteration: int) -> bool:
+        """Whether ``iteration`` is an Adam step."""
+        return iteration < self.lbfgs_start(ctx)
+
+    def collocation_iteration(self, ctx, iteration: int) -> int:
+        """The iteration whose collocation set ``iteration`` uses: its own during Adam, the
+        last Adam set during L-BFGS (one fixed objective)."""
+        if self.adam_phase(ctx, iteration):
+            return iteration
+        return max(self.lbfgs_start(ctx) - 1, 0)
+
+    def switch_precision_at(self, ctx, iteration: int) -> bool:
+        """From ``switch_at`` on, model and data in ``switch_dtype``; whether it switched now."""
+        at = int(ctx.cfg.switch_at)
+        if at < 0 or iteration < at:
+            return False
+        return switch_precision(ctx.model, ctx.data, getattr(torch, str(ctx.cfg.switch_dtype)))
+
+    def on_step(self, ctx, iteration: int) -> bool:
+        """Called by the optimiser before every step; ``True`` resets the L-BFGS memory."""
+        return self.switch_precision_at(ctx, iteration)
+
+    def optimizer(self, ctx, params):
+        cfg = ctx.cfg
+        return AdamLBFGS(params, switch_at=self.lbfgs_start(ctx), adam_lr=float(cfg.lr),
+                         max_iter=int(cfg.lbfgs_iters), history_size=int(cfg.lbfgs_history),
+                         on_step=lambda k: self.on_step(ctx, k))
+
+    def weights(self, ctx):
+        return ctx.data["weights"]
+
+    def state_dict(self, ctx) -> dict[str, Any]:
+        """What a restart needs beyond the model and optimiser: the (annealed) weights, the
+        collocation set (RAR points) and the precision the run is in."""
+        d = ctx.data
+        state = {"weights": dict(d["weights"]),
+                 "dtype": str(d[self.dtype_key].dtype).removeprefix("torch.")}
+        if self.collocation_key is not None:
+            state["collocation"] = d[self.collocation_key].state_dict()
+        return state
+
+    def load_state_dict(self, ctx, state: dict[str, Any]) -> None:
+        if "dtype" in state:  # before the trainer loads the model and the optimiser
+            switch_precision(ctx.model, ctx.data, getattr(torch, state["dtype"]))
+        ctx.data["weights"].update(state["weights"])
+        if self.collocation_key is not None and "collocation" in state:
+            ctx.data[self.collocation_key].load_state_dict(state["collocation"])
