@@ -71,7 +71,8 @@ def child(kind: str, T: int, arg: float) -> dict:
         (y**2).mean().backward()
         wall = time.perf_counter() - t0
     row.update(wall=wall, tracked=m.tracked_peak, rss=m.host_peak, saved=m.saved_peak,
-               rss_reset=m.host_reset)
+               rss_reset=m.host_reset,
+               unit=T * (prof.t_record + prof.t_backward))  # the time model's 1.0, seconds
     if kind == "budget":
         p = st.extra["plan"]
         row.update(plan=p.describe(), predicted_peak=p.predicted_peak,
@@ -121,15 +122,17 @@ def main() -> None:
           "\n")
     print("| budget | plan | predicted peak [MiB] | tracked peak [MiB] | tracked / budget | "
           "predicted / tracked | RSS peak [MiB] | predicted time | measured time | "
-          "measured / predicted |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "measured / predicted | predicted [s] | measured [s] | measured / predicted [s] |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         meas = r["wall"] / plain["wall"]
+        pred_s = r["predicted_time"] * r["unit"]  # the model in seconds, this run's profile
         print(f"| {r['budget'] / MiB:.1f} MiB ({r['budget'] / r['store_all_peak']:.0%}) | "
               f"{r['plan']} | {r['predicted_peak'] / MiB:.1f} | {r['tracked'] / MiB:.1f} | "
               f"{r['tracked'] / r['budget']:.3f} | {r['predicted_peak'] / r['tracked']:.3f} | "
               f"{r['rss'] / MiB:.0f} | {r['predicted_time']:.3f} | {meas:.3f} | "
-              f"{meas / r['predicted_time']:.3f} |")
+              f"{meas / r['predicted_time']:.3f} | {pred_s:.1f} | {r['wall']:.1f} | "
+              f"{r['wall'] / pred_s:.3f} |")
     print("\n| torch.utils.checkpoint segment | tracked peak [MiB] | RSS peak [MiB] | "
           "time / plain |")
     print("|---|---|---|---|")
