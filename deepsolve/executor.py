@@ -483,31 +483,19 @@ class CompiledPolicy:
     def compiled_step(self, step: _Step, preserve_rng: bool) -> Callable:
         """The compiled ``(i, *leaves) -> (next_leaves, outputs)`` of ``step``'s user
         function under this policy, created on first use and cached."""
+        # the compiled function keeps its step (and so the step function) alive: an id in
+        # the key cannot be reused by another function while the entry exists
         key = (id(step.fn), repr(step.spec), bool(step.has_output), preserve_rng)
         hit = self._cache.get(key)
-        if hit is not None and hit[0]() is step.fn:
-            return hit[1]
-        fn, spec, has_output, context_fn = step.fn, step.spec, bool(step.has_output), \
-            self.context_fn
+        if hit is not None:
+            return hit
+        context_fn = self.context_fn
 
-        def body(i, *leaves):
-            res = fn(leaves[0] if spec is None else pytree.tree_unflatten(list(leaves), spec), i)
-            if has_output:
-                nxt, out = res
-                out = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
-            else:
-                nxt, out = res, []
-            return ([nxt] if spec is None else pytree.tree_leaves(nxt)), list(out)
+        def record(i, *leaves):  # later unrolls with the same key reuse this first step
+            return checkpoint(lambda j, *x: step(list(x), j), i, *leaves, use_reentrant=False,
+                              context_fn=context_fn, preserve_rng_state=preserve_rng)
 
-        def record(i, *leaves):
-            return checkpoint(body, i, *leaves, use_reentrant=False, context_fn=context_fn,
-                              preserve_rng_state=preserve_rng)
-
-        compiled = torch.compile(record, **self.options)
-        try:
-            self._cache[key] = (weakref.ref(fn), compiled)
-        except TypeError:  # a step that cannot be weakly referenced: compile per unroll
-            pass
+        compiled = self._cache[key] = torch.compile(record, **self.options)
         return compiled
 
 

@@ -290,22 +290,21 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
         modes.append(ctx[0])
         return ctx
 
+    def fresh():  # the state as new leaves that require grad
+        return [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in x]
+
     compiled = None
     if isinstance(policy, CompiledPolicy):  # record as the executor does: the compiled step
         compiled = _Step(step, spec, x, None)
-        with torch.enable_grad():
-            compiled.first([t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
-                            for t in x], 0)  # decides whether the step has outputs
         recorder = _Recorder(context_fn, True, policy)
-        for i in (1, 0):  # compile; then recompile with the step index dynamic, so that
-            with torch.enable_grad():  # an unroll's later steps run without recompiling
-                recorder(compiled, [t.detach().requires_grad_(t.is_floating_point()
-                                                              or t.is_complex())
-                                    for t in x], i)
+        with torch.enable_grad():
+            compiled.first(fresh(), 0)  # decides whether the step has outputs
+            for i in (1, 0):  # compile; recompile with the step index dynamic, so that an
+                recorder(compiled, fresh(), i)  # unroll's later steps do not recompile
     t_rec, t_bwd, tapes = [], [], []
     for r in range(repeats + 1):  # the first run is a warm-up (and the compilation)
         modes.clear()
-        x_in = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in x]
+        x_in = fresh()
         _sync(cuda)
         t0 = time.perf_counter()
         with torch.enable_grad():
