@@ -59,7 +59,10 @@ Loss terms:
   :math:`r = u_t - d u_{xx} + 5u^3 - 5u` on slice :math:`i`, and
   :math:`\frac1M\sum_i w_i\mathcal{L}_i` with
   :math:`w_i = \exp(-\varepsilon\sum_{k<i}\mathcal{L}_k)` (no gradient through
-  :math:`w`). :math:`\varepsilon` goes through ``causal_eps`` (default :math:`1, 10, 100`),
+  :math:`w`); the :math:`\mathcal{L}_i` are evaluated in chunks recomputed in the backward
+  pass under ``residual_budget`` (or else the run's ``budget``) when one is set
+  (:func:`deepsolve.pinn.slice_mse`). :math:`\varepsilon` goes through ``causal_eps``
+  (default :math:`1, 10, 100`),
   advancing when :math:`\min_i w_i >` ``causal_threshold`` (0.99); within one trainer
   iteration the weights are frozen, so an L-BFGS step minimises one objective. The paper's
   list starts at :math:`10^{-2}`; here, with Adam, :math:`\varepsilon = 10^{-2}` weighted
@@ -108,9 +111,11 @@ from deepsolve.pinn import (
     AdamLBFGSTraining,
     CausalWeighting,
     Collocation,
+    chunk_size_for_budget,
     jet,
     make_weights,
     sample_time_slices,
+    slice_mse,
     unit_samples,
 )
 
@@ -261,6 +266,7 @@ class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
         # causal training
         "n_slices": 32,            # M time slices
         "n_per_slice": 128,        # collocation points per slice
+        "residual_budget": "",     # e.g. "16MiB": chunk the residual ("" = the run's budget)
         "causal_eps": [1.0, 10.0, 100.0],  # raised when min weight > threshold
         "causal_threshold": 0.99,
         "sampling": "uniform",     # "uniform", "sobol", "halton" or "lhs"
@@ -371,8 +377,19 @@ class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
     def residuals(self, ctx, iteration):
         d, cfg = ctx.data, ctx.cfg
         x = d["collocation"].points(self.collocation_iteration(ctx, iteration)).to(d["test"].dtype)
-        r = self.pde(ctx, x)
-        terms = {"pde": d["causal"](r.pow(2).reshape(int(cfg.n_slices), -1), iteration)}
+        m = int(cfg.n_slices)
+        budget = str(cfg.residual_budget or cfg.budget) or None
+        chunk = None
+        if budget is not None:  # chunks recomputed in backward: memory follows the budget
+            key = (budget, x.dtype, x.shape[0])
+            if d.get("chunk_key") != key:
+                d["chunk"] = chunk_size_for_budget(lambda xc: self.pde(ctx, xc).pow(2).mean(),
+                                                   x, budget)
+                d["chunk_key"] = key
+            chunk = d["chunk"]
+        losses = slice_mse(lambda xc: self.pde(ctx, xc), x, m, chunk,
+                           params=list(ctx.model.parameters()))
+        terms = {"pde": d["causal"](losses, iteration)}
         if not _constraints(cfg):
             terms["initial"] = (ctx.model(d["x_initial"]) - d["u_initial"]).pow(2).mean()
         d["weights"].update_from(terms, ctx.model.parameters(), iteration)

@@ -18,6 +18,7 @@ from deepsolve.pinn import (
     causal_loss,
     causal_weights,
     sample_time_slices,
+    slice_mse,
 )
 
 
@@ -148,3 +149,30 @@ def test_time_slices_layout():
                                dtype=torch.float64)
     assert torch.equal(pts, again)                                     # deterministic
     assert PAPER_EPS == (1e-2, 1e-1, 1.0, 10.0, 100.0)
+
+
+def test_slice_mse_in_chunks_equals_the_whole_set():
+    """Per-slice mean squares over chunks that cut across slices (recomputed in backward)
+    equal the unchunked ones, values and parameter gradients, to rounding."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(),
+                              torch.nn.Linear(8, 2)).double()
+    params = list(net.parameters())
+    x = sample_time_slices(5, 12, (-1.0,), (1.0,), 0.0, 1.0, "sobol", 3,
+                           torch.float64).reshape(-1, 2)
+
+    def residual(xc):  # two components, so the mean runs over them too
+        return net(xc) * xc[:, 1:]
+
+    whole = slice_mse(residual, x, 5)
+    by_hand = residual(x).pow(2).mean(1).reshape(5, 12).mean(1)
+    assert torch.allclose(whole, by_hand, rtol=1e-14, atol=0)
+    g_whole = torch.autograd.grad(causal_loss(whole, 2.0)[0], params)
+    for chunk in (7, 12, 25):
+        part = slice_mse(residual, x, 5, chunk, params=params)
+        assert torch.allclose(part, whole, rtol=1e-12, atol=0)
+        g = torch.autograd.grad(causal_loss(part, 2.0)[0], params)
+        for a, b in zip(g, g_whole, strict=True):
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+    with pytest.raises(ValueError, match="do not split into 7 equal slices"):
+        slice_mse(residual, x, 7)

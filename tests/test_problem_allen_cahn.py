@@ -234,3 +234,20 @@ def test_a_few_iterations_through_the_trainer(tmp_path, sets, terms, lbfgs):
         assert state["problem"]["dtype"] == "float64"
     else:
         assert 0 < lr[-1] < lr[0]                                 # the decay schedule
+
+
+def test_residual_budget_chunks_the_causal_loss(ac):
+    """Under a residual budget the causal loss is evaluated in chunks; the terms and their
+    gradients equal the unchunked ones."""
+    prob, _ = ac
+    out = {}
+    for name, sets in {"whole": [], "chunked": ["residual_budget=3kB"]}.items():
+        torch.manual_seed(0)
+        ctx = make_ctx(prob, sets)
+        loss = prob.residuals(ctx, 0)["pde"]
+        out[name] = (loss, torch.autograd.grad(loss, list(ctx.model.parameters())))
+        if name == "chunked":
+            assert ctx.data["chunk"] < int(ctx.cfg.n_slices) * int(ctx.cfg.n_per_slice)
+    assert torch.allclose(out["chunked"][0], out["whole"][0], rtol=1e-12, atol=0)
+    for a, b in zip(out["chunked"][1], out["whole"][1], strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)

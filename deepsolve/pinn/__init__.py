@@ -23,7 +23,14 @@
 See docs/pinn.md.
 """
 
-from .causal import PAPER_EPS, CausalWeighting, causal_loss, causal_weights, sample_time_slices
+from .causal import (
+    PAPER_EPS,
+    CausalWeighting,
+    causal_loss,
+    causal_weights,
+    sample_time_slices,
+    slice_mse,
+)
 from .chunked import (
     ChunkedResidual,
     SavedBytes,
@@ -59,5 +66,6 @@ __all__ = [
     "SavedBytes", "bytes_per_point", "chunk_size_for_budget", "chunked_sum", "chunked_mse",
     "ChunkedResidual",
     "AdamLBFGS", "switch_precision", "AdamLBFGSTraining", "OPTIMIZERS",
-    "causal_loss", "causal_weights", "CausalWeighting", "sample_time_slices", "PAPER_EPS",
+    "causal_loss", "causal_weights", "CausalWeighting", "sample_time_slices", "slice_mse",
+    "PAPER_EPS",
 ]

@@ -28,6 +28,9 @@ current :math:`\varepsilon`.
   ``freeze=True``, keeps one iteration's weights for every evaluation of that iteration (an
   L-BFGS step then minimises one fixed objective). It records the last weights
   (``min_weight``) and its state goes into restart files (``state_dict``).
+* :func:`slice_mse` — the per-slice mean squared residuals ``(M,)`` of such a point set,
+  optionally in chunks recomputed in the backward pass (a memory budget, as
+  :class:`~deepsolve.pinn.ChunkedResidual` does for a plain mean);
 * :func:`sample_time_slices` — collocation points as ``M`` time slices × ``N`` points:
   space coordinates from :func:`deepsolve.pinn.unit_samples` (uniform or quasi-random), time
   stratified, uniform within each slice.
@@ -41,10 +44,11 @@ from typing import Any
 
 import torch
 
+from .chunked import chunked_sum
 from .geometry import unit_samples
 
 __all__ = ["causal_weights", "causal_loss", "CausalWeighting", "sample_time_slices",
-           "PAPER_EPS"]
+           "slice_mse", "PAPER_EPS"]
 
 #: The causality parameters of Wang, Sankaran & Perdikaris (2024), raised in this order.
 PAPER_EPS: tuple[float, ...] = (1e-2, 1e-1, 1.0, 10.0, 100.0)
@@ -240,3 +244,35 @@ def sample_time_slices(n_slices: int, n_points: int, lo: Sequence[float], hi: Se
     t = float(t0) + (torch.arange(m, dtype=torch.float64)[:, None] + u[..., d]) * dt
     pts = torch.cat([x, t[..., None]], -1)
     return pts.to(dtype=dtype or torch.get_default_dtype(), device=device)
+
+
+def slice_mse(residual_fn, x: torch.Tensor, n_slices: int, chunk_size: int | None = None,
+              params=None) -> torch.Tensor:
+    r"""Per-slice mean squared residuals :math:`\mathcal{L}_i`, ``(M,)``, of points ``x``
+    ``(M N, d)`` laid out slice by slice (``sample_time_slices(...).reshape(-1, d)``):
+    :math:`\mathcal{L}_i = \frac{1}{N c}\sum_{p \in i} |r(x_p)|^2` for a residual of ``c``
+    components (``residual_fn(x)`` returns ``(n,)`` or ``(n, c)``).
+
+    With ``chunk_size`` smaller than ``M N`` the points are evaluated in chunks whose graphs
+    are recomputed in the backward pass (:func:`~deepsolve.pinn.chunked_sum`; ``params``
+    required: the tensors requiring grad that ``residual_fn`` uses), so memory follows the
+    chunk, not the set; values and gradients equal the unchunked ones. Chunks need not align
+    with slices: each point carries its slice index."""
+    n, m = x.shape[0], int(n_slices)
+    if m < 1 or n % m:
+        raise ValueError(f"slice_mse: {n} points do not split into {n_slices} equal slices")
+    per = n // m
+
+    def sq(r: torch.Tensor) -> torch.Tensor:  # (n,) mean square over components
+        return r.reshape(r.shape[0], -1).pow(2).mean(1)
+
+    if chunk_size is None or chunk_size >= n:
+        return sq(residual_fn(x)).reshape(m, per).mean(1)
+    index = (torch.arange(n, device=x.device) // per).to(x.dtype)[:, None]
+
+    def fn(xc: torch.Tensor) -> torch.Tensor:  # this chunk's share of every slice's mean
+        s = xc[:, -1].detach().long()
+        r2 = sq(residual_fn(xc[:, :-1]))
+        return torch.zeros(m, dtype=r2.dtype, device=r2.device).index_add(0, s, r2) / per
+
+    return chunked_sum(fn, torch.cat([x, index], 1), chunk_size, params=params)

@@ -134,9 +134,9 @@ class SavedBytes:
 def _as_terms(out) -> tuple[tuple[str, ...] | None, tuple[torch.Tensor, ...]]:
     if isinstance(out, Mapping):
         return tuple(out), tuple(v.reshape(()) for v in out.values())
-    if isinstance(out, torch.Tensor):
-        return None, (out.reshape(()),)
-    raise TypeError(f"a chunk function must return a scalar tensor or a dict of them, got "
+    if isinstance(out, torch.Tensor):  # a scalar, or a tensor summed elementwise
+        return None, (out.reshape(()) if out.numel() == 1 else out,)
+    raise TypeError(f"a chunk function must return a tensor or a dict of scalar tensors, got "
                     f"{type(out).__name__}")
 
 
@@ -237,8 +237,9 @@ class _ChunkedSum(torch.autograd.Function):
 def chunked_sum(fn: Callable, x: torch.Tensor, chunk_size: int,
                 params: Iterable[torch.Tensor] | None = None, impl: str = "recompute"):
     """``sum_c fn(x_c)`` over chunks ``x_c`` of ``chunk_size`` points, with the chunk graphs
-    recomputed in the backward pass (see the module docstring). ``fn`` returns a scalar or
-    a dict of scalars (the same keys for every chunk); so does the result. ``params``: the
+    recomputed in the backward pass (see the module docstring). ``fn`` returns a scalar, a
+    tensor of the same shape for every chunk (summed elementwise, e.g. per-slice sums), or a
+    dict of scalars (the same keys for every chunk); so does the result. ``params``: the
     tensors requiring grad that ``fn`` uses (required for ``impl="recompute"``)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
