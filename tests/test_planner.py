@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -249,3 +250,19 @@ def test_budget_between_revolve_and_store_all_keeps_a_recorded_tail():
     assert st.extra["plan"].kind == "revolve_tail"
     for a, b in zip(g, ref, strict=True):
         assert rel(a, b) <= 1e-10
+
+
+def test_memory_meter_lets_a_graph_dropped_without_backward_go():
+    """The meter's saved-tensor hooks must not tie an output to its own graph: a graph built
+    under the meter and dropped without backward is freed at once (tanh saves its output)."""
+    W = torch.randn(64, 64, requires_grad=True)
+    with MemoryMeter("cpu") as m:
+        h = torch.tanh(torch.randn(128, 64) @ W)
+        alive = weakref.ref(h)
+        assert m.saved_live >= h.numel() * h.element_size()
+        del h
+        assert alive() is None          # no reference cycle keeps the output (and graph)
+        assert m.saved_live == 0        # and the meter saw its saved tensors go
+        x = torch.randn(128, 64, requires_grad=True)
+        torch.tanh(x @ W).sum().backward()  # a graph that is reversed still works
+        assert x.grad is not None and m.saved_live == 0

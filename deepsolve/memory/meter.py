@@ -82,7 +82,10 @@ class MemoryMeter:
             self._sample()
         else:
             entry[0] += 1
-        box = _Saved(t)
+        # hold a detached alias (same storage and version counter, no grad_fn): holding the
+        # saved tensor itself would tie an output to its own grad_fn, a reference cycle
+        # through C++ that keeps a graph dropped without backward alive for good
+        box = _Saved(t.detach())
         weakref.finalize(box, self._release, ptr)
         return box
 
