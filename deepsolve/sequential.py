@@ -218,7 +218,7 @@ def _profile(layers: list, x: torch.Tensor, repeats: int) -> ChainProfile:
                 ptr, nb = _storage(t)
                 if ptr not in skip:
                     seen[ptr] = max(seen.get(ptr, 0), nb)
-            return t
+            return t.detach() if t.grad_fn is not None else t  # no cycle via grad_fn
 
         torch.set_rng_state(rng)
         _sync(dev)

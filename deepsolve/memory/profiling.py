@@ -200,7 +200,7 @@ def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in skip:
                     seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-            return t
+            return t.detach() if t.grad_fn is not None else t  # no cycle via grad_fn
 
         if cuda:
             torch.cuda.synchronize(device)
