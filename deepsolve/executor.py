@@ -522,19 +522,15 @@ class _Recorder:
         return fn(list(leaves), i)
 
     def __call__(self, fn: Callable, leaves: list[torch.Tensor], i: int):
-        if self.compiled is not None and isinstance(fn, _Step):
-            run = self.compiled.compiled_step(fn, self.preserve_rng)
-            autocast = _autocast_state()
-            if autocast:
-                with _Autocast(autocast, cache=False):
-                    return run(i, *leaves)
-            return run(i, *leaves)
         autocast = _autocast_state()
-        if autocast:
-            with _Autocast(autocast, cache=False):
-                return checkpoint(self._call, fn, i, *leaves, use_reentrant=False,
-                                  context_fn=self.context_fn,
-                                  preserve_rng_state=self.preserve_rng)
+        if not autocast:
+            return self._record(fn, leaves, i)
+        with _Autocast(autocast, cache=False):
+            return self._record(fn, leaves, i)
+
+    def _record(self, fn: Callable, leaves: list[torch.Tensor], i: int):
+        if self.compiled is not None and isinstance(fn, _Step):
+            return self.compiled.compiled_step(fn, self.preserve_rng)(i, *leaves)
         return checkpoint(self._call, fn, i, *leaves, use_reentrant=False,
                           context_fn=self.context_fn, preserve_rng_state=self.preserve_rng)
 

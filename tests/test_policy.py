@@ -60,17 +60,24 @@ def reference():
     return torch.autograd.grad(y.pow(2).sum() + e.sum(), leaves)
 
 
-@pytest.mark.parametrize("policy", ALL_POLICIES, ids=executor.policy_name)
-@pytest.mark.parametrize("schedule", [S.store_all(N), S.revolve_tail(N, 3, 5), S.periodic(N),
-                                      S.mixed(N, 6, tape_units=1), S.revolve(N, 3)],
-                         ids=lambda s: s.kind)
-def test_gradients_equal_plain_autograd(policy, schedule, reference):
+def assert_exact_under(policy, schedule, reference):
+    """Unroll ``make_step`` under ``policy`` and ``schedule``; its gradients equal plain
+    autograd's to 1e-10. Returns the differentiated leaves and the unroll's stats."""
     step, x0, leaves = make_step()
     stats = deepsolve.UnrollStats()
     y, e = execute(step, x0, schedule, policy=policy, stats=stats)
     grads = torch.autograd.grad(y.pow(2).sum() + e.sum(), leaves)
     for g, r in zip(grads, reference, strict=True):
         assert rel(g, r) <= 1e-10
+    return leaves, stats
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES, ids=executor.policy_name)
+@pytest.mark.parametrize("schedule", [S.store_all(N), S.revolve_tail(N, 3, 5), S.periodic(N),
+                                      S.mixed(N, 6, tape_units=1), S.revolve(N, 3)],
+                         ids=lambda s: s.kind)
+def test_gradients_equal_plain_autograd(policy, schedule, reference):
+    leaves, stats = assert_exact_under(policy, schedule, reference)
     assert stats.extra.get("policy", "none") == executor.policy_name(policy)
     if schedule.kind != "store_all":  # parameter discovery runs through the policy's graph
         assert stats.extra["params"] == len(leaves) - 1
@@ -251,12 +258,7 @@ def compiled_fft():
 @pytest.mark.parametrize("schedule", [S.store_all(N), S.revolve_tail(N, 3, 5)],
                          ids=lambda s: s.kind)
 def test_compiled_policy_gradients_equal_plain_autograd(schedule, reference, compiled_fft):
-    step, x0, leaves = make_step()
-    stats = deepsolve.UnrollStats()
-    y, e = execute(step, x0, schedule, policy=compiled_fft, stats=stats)
-    grads = torch.autograd.grad(y.pow(2).sum() + e.sum(), leaves)
-    for g, r in zip(grads, reference, strict=True):
-        assert rel(g, r) <= 1e-10
+    _, stats = assert_exact_under(compiled_fft, schedule, reference)
     assert stats.extra["policy"] == "compiled:save_fft"
     # the kept steps ran the compiled function: one is cached for this step and structure
     assert len(compiled_fft._cache) >= 1
