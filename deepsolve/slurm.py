@@ -18,6 +18,14 @@ rendezvous on the first node) and survives preemption and time limits:
 
 :func:`submit` writes the script into the run directory and runs ``sbatch`` on it when
 ``sbatch`` is on ``PATH`` (otherwise, or with ``dry_run``, it only returns the text).
+
+Hostile values cannot run commands: :meth:`SubmitSpec.create` refuses control characters
+(newline, carriage return, NUL, tab, ...) in every path and name that goes into the
+script (problem file, run directory, working directory, Python executable, job name,
+partition, account, time); in the bash body every interpolated value is quoted with
+:func:`shlex.quote`, train arguments included; in ``#SBATCH`` lines, which sbatch parses
+itself (not bash), blanks, quotes, backslashes and ``#`` are escaped with a backslash, the
+one quoting form every sbatch version reads.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+import unicodedata
 from dataclasses import dataclass, field
 
 __all__ = ["SubmitSpec", "SubmitResult", "parse_time", "parse_count", "sbatch_script",
@@ -84,6 +93,31 @@ def _slurm_word(name: str, value: str | None) -> str | None:
     return v
 
 
+def _no_control(name: str, value: str) -> str:
+    """``value`` unchanged, or a one-line ``ValueError`` when it holds a control character
+    (newline, carriage return, NUL, tab, escape, DEL, C1 controls): such a character would
+    end an ``#SBATCH`` line or a comment of the script and start a command of its own."""
+    for c in str(value):
+        if unicodedata.category(c) == "Cc":
+            raise ValueError(f"{name} {value!r} contains the control character {c!r}; use a "
+                             "value without newlines, carriage returns, tabs or NULs")
+    return str(value)
+
+
+def _sbatch_value(text: str) -> str:
+    """``text`` for an ``#SBATCH --opt=VALUE`` line: blanks, quotes, backslashes and ``#``
+    escaped with a backslash (sbatch reads the line with its own parser, not bash; every
+    version of it honours backslash escapes, older ones no single quotes)."""
+    return re.sub(r"""([\s"'\\#])""", r"\\\1", text)
+
+
+def _default_job_name(problem: str) -> str:
+    """``deepsolve-<problem file name>`` with characters outside ``[A-Za-z0-9_.+-]``
+    replaced by ``_``."""
+    name = os.path.splitext(os.path.basename(problem))[0]
+    return "deepsolve-" + (re.sub(r"[^A-Za-z0-9_.+-]", "_", name) or "problem")
+
+
 @dataclass
 class SubmitSpec:
     """What to run and on what; build with :meth:`create` (validates, one-line errors)."""
@@ -109,6 +143,13 @@ class SubmitSpec:
                tasks_per_node=1, cpus_per_task=None, partition=None, account=None,
                out=None, job_name=None, port=29500, train_args=None,
                python=None, workdir=None) -> SubmitSpec:
+        problem = _no_control("problem file", problem)
+        if out is not None:
+            out = _no_control("--out", out)
+        if workdir is not None:
+            workdir = _no_control("working directory", workdir)
+        if python is not None:
+            python = _no_control("python", python)
         if not os.path.isfile(problem):
             raise ValueError(f"problem file {problem!r} does not exist")
         secs = parse_time(time)
@@ -126,7 +167,7 @@ class SubmitSpec:
         p = parse_count("--port", port, 1)
         if p > 65535:
             raise ValueError(f"--port {p}: must be <= 65535")
-        args = [str(a) for a in (train_args or [])]
+        args = [_no_control("train argument", str(a)) for a in (train_args or [])]
         for a in args:
             key = a.split("=", 1)[0]
             if key in _FORBIDDEN_TRAIN_ARGS:
@@ -138,9 +179,11 @@ class SubmitSpec:
                    tasks_per_node=t, cpus_per_task=c,
                    partition=_slurm_word("--partition", partition),
                    account=_slurm_word("--account", account),
-                   job_name=_slurm_word("--job-name", job_name) or f"deepsolve-{name}",
-                   port=p, python=python or sys.executable,
-                   workdir=os.path.abspath(workdir or os.getcwd()), train_args=args)
+                   job_name=_slurm_word("--job-name", job_name) or _default_job_name(problem),
+                   port=p, python=_no_control("python", python or sys.executable),
+                   workdir=_no_control("working directory",
+                                       os.path.abspath(workdir or os.getcwd())),
+                   train_args=args)
 
     @property
     def procs_per_node(self) -> int:
@@ -173,9 +216,17 @@ def _torchrun_forwards_usr1() -> bool:
 
 
 def sbatch_script(spec: SubmitSpec) -> str:
-    """The text of the batch script for ``spec`` (see the module docstring)."""
+    """The text of the batch script for ``spec`` (see the module docstring). Every value
+    is checked for control characters again here, so a :class:`SubmitSpec` built by hand
+    cannot inject a line either."""
     q = shlex.quote
     s = spec
+    for label, value in (("problem file", s.problem), ("--out", s.run_dir),
+                         ("working directory", s.workdir), ("python", s.python),
+                         ("--job-name", s.job_name), ("--partition", s.partition or ""),
+                         ("--account", s.account or ""), ("--time", s.time),
+                         *(("train argument", a) for a in s.train_args)):
+        _no_control(label, value)
     cpus = s.cpus_per_task if s.cpus_per_task is not None else \
         (None if s.gpus_per_node else s.tasks_per_node)
     what = (f"{s.nodes} node(s) x {s.gpus_per_node} GPU(s)" if s.gpus_per_node
@@ -196,25 +247,25 @@ def sbatch_script(spec: SubmitSpec) -> str:
         "#!/bin/bash",
         f"# Written by `deepsolve submit` on {time.strftime('%Y-%m-%d %H:%M:%S')}: train",
         f"#   {s.problem}",
-        f"# on {what} with torchrun; see docs/hpc.md. Submit again with: sbatch {q(s.run_dir)}/"
-        f"{SCRIPT_NAME}",
-        f"#SBATCH --job-name={s.job_name}",
-        f"#SBATCH --nodes={s.nodes}",
+        f"# on {what} with torchrun; see docs/hpc.md. Submit again with: sbatch "
+        f"{q(os.path.join(s.run_dir, SCRIPT_NAME))}",
+        f"#SBATCH --job-name={_sbatch_value(s.job_name)}",
+        f"#SBATCH --nodes={int(s.nodes)}",
         "# one torchrun launcher per node; it starts the training processes",
         "#SBATCH --ntasks-per-node=1",
     ]
     if s.gpus_per_node:
-        head.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
+        head.append(f"#SBATCH --gpus-per-node={int(s.gpus_per_node)}")
     if cpus is not None:
-        head.append(f"#SBATCH --cpus-per-task={cpus}")
-    head.append(f"#SBATCH --time={s.time}")
+        head.append(f"#SBATCH --cpus-per-task={int(cpus)}")
+    head.append(f"#SBATCH --time={_sbatch_value(s.time)}")
     if s.partition:
-        head.append(f"#SBATCH --partition={s.partition}")
+        head.append(f"#SBATCH --partition={_sbatch_value(s.partition)}")
     if s.account:
-        head.append(f"#SBATCH --account={s.account}")
+        head.append(f"#SBATCH --account={_sbatch_value(s.account)}")
     head += [
-        f"#SBATCH --chdir={s.workdir}",
-        f"#SBATCH --output={s.run_dir}/slurm-%j.out",
+        f"#SBATCH --chdir={_sbatch_value(s.workdir)}",
+        f"#SBATCH --output={_sbatch_value(os.path.join(s.run_dir, 'slurm-%j.out'))}",
         "# a requeued attempt appends to the same output file",
         "#SBATCH --open-mode=append",
         f"# USR1 to this script {SIGNAL_SECONDS} s before the time limit; the script then "
@@ -237,8 +288,8 @@ set -uo pipefail
 RUN_DIR={q(s.run_dir)}
 PROBLEM={q(s.problem)}
 PYTHON={q(s.python)}
-PORT={s.port}
-NPROC={s.procs_per_node}
+PORT={int(s.port)}
+NPROC={int(s.procs_per_node)}
 PREEMPTED=75      # deepsolve's exit code after a signal: restart file written, try again
 
 mkdir -p "$RUN_DIR"

@@ -115,6 +115,147 @@ def test_submit_rejects_bad_options_in_one_line(tmp_path, capsys, args, match):
     assert match in err
 
 
+# ------------------------------------------------------------------ hostile values
+
+#: Shell metacharacters that are legal in paths and arguments: command substitution,
+#: backticks, separators, both quotes, a comment sign, a backslash, globs, variables.
+HOSTILE = "a'$(touch PWNED)\"`touch PWNED`\";touch PWNED;#b\\ c*${IFS}|&>x<y"
+
+
+def _stubs(tmp_path) -> tuple[str, str]:
+    """A directory of stub ``srun``, ``scontrol``, ``sbatch``, ``torchrun`` and
+    ``hostname`` commands; ``srun`` writes each of its arguments, NUL-terminated, to
+    ``$SRUN_ARGS``. Returns ``(PATH, the srun record file)``."""
+    bin_dir = tmp_path / "stub-bin"
+    bin_dir.mkdir()
+    record = tmp_path / "srun-args"
+    scripts = {
+        "srun": '#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done > "$SRUN_ARGS"\n',
+        "scontrol": "#!/bin/sh\necho node001\n",
+        "sbatch": "#!/bin/sh\necho 1\n",
+        "torchrun": "#!/bin/sh\nexit 0\n",
+        "hostname": "#!/bin/sh\necho node001\n",
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin", str(record)
+
+
+def _run_script(tmp_path, text: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run the batch script under bash with the stubs on PATH, from an empty directory;
+    returns the result and the arguments ``srun`` received."""
+    path_env, record = _stubs(tmp_path)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    env = {"PATH": path_env, "SRUN_ARGS": record, "SLURM_JOB_ID": "7", "SLURM_NNODES": "1",
+           "SLURM_JOB_NODELIST": "node001", "HOME": str(tmp_path)}
+    res = subprocess.run(["bash", str(script)], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=60)
+    args = open(record, "rb").read().decode().split("\0")[:-1] if os.path.exists(record) \
+        else []
+    return res, args
+
+
+def _pwned(tmp_path) -> list[str]:
+    return [str(p) for p in tmp_path.rglob("PWNED")] + \
+        [p for p in ("/tmp/PWNED", os.path.join(os.getcwd(), "PWNED")) if os.path.exists(p)]
+
+
+def test_hostile_values_in_every_field_run_nothing(tmp_path):
+    """Every path and name of the script holds shell metacharacters; the script, run with
+    bash and stub SLURM commands, creates no file and hands every value to ``srun``
+    verbatim, as one argument each."""
+    hostile_dir = tmp_path / f"dir {HOSTILE}"
+    hostile_dir.mkdir()
+    problem = hostile_dir / f"prob {HOSTILE}.py"
+    shutil.copy(BATCH, problem)
+    workdir = hostile_dir / f"work {HOSTILE}"
+    workdir.mkdir()
+    out = hostile_dir / f"out {HOSTILE}"
+    python = str(hostile_dir / f"py {HOSTILE}" / "python")
+    train_args = ["--set", f"note={HOSTILE}", HOSTILE, "--iterations", "3"]
+    spec = SubmitSpec.create(str(problem), gpus_per_node=0, time="01:00:00", out=str(out),
+                             workdir=str(workdir), python=python, partition="p.1,x:y+z@w-",
+                             account="acc_1", train_args=train_args)
+    text = sbatch_script(spec)
+    res, args = _run_script(tmp_path, text)
+    assert _pwned(tmp_path) == [], res.stdout + res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert python in args  # `python -m torch.distributed.run` (no torchrun next to it)
+    i = args.index("train")
+    assert args[i + 1] == str(problem)
+    assert args[args.index("--out") + 1] == str(out)
+    assert args[-len(train_args):] == train_args
+    assert os.path.isdir(out)  # mkdir -p "$RUN_DIR" got the literal name
+    # the #SBATCH values, read back the way sbatch reads them: backslash escapes
+    sb = {ln.split("=", 1)[0]: ln.split("=", 1)[1] for ln in text.splitlines()
+          if ln.startswith("#SBATCH --") and "=" in ln}
+    unescape = lambda v: re.sub(r"\\(.)", r"\1", v)  # noqa: E731
+    assert unescape(sb["#SBATCH --chdir"]) == str(workdir)
+    assert unescape(sb["#SBATCH --output"]) == str(out / "slurm-%j.out")
+    assert all(not re.search(r"(?<!\\)[\s'\"#]", v) for v in sb.values()), sb
+    # the default job name comes from the file name, with unsafe characters replaced
+    assert re.fullmatch(r"deepsolve-prob_a_[A-Za-z0-9_.+-]*_x_y", sb["#SBATCH --job-name"])
+
+
+@pytest.mark.parametrize("field", ["out", "problem", "workdir", "python", "job_name",
+                                   "partition", "account", "time", "train_args"])
+@pytest.mark.parametrize("char", ["\n", "\r", "\x00", "\t", "\x1b", "\x85"])
+def test_control_characters_are_refused_in_every_field(tmp_path, field, char):
+    """A newline (or CR, NUL, tab, ESC, NEL) in any value is a one-line ValueError naming
+    the option, before any file is written: with today's script a newline in --out, the
+    problem path or the working directory became a command line of its own."""
+    payload = f"x{char}touch {tmp_path}/PWNED{char}"
+    kw = dict(gpus_per_node=0, time="01:00:00", out=str(tmp_path / "run"))
+    problem = BATCH
+    if field == "problem":
+        problem = str(tmp_path / f"p{payload}.py")
+        try:
+            shutil.copy(BATCH, problem)
+        except (OSError, ValueError):  # NUL: no such file can exist
+            pass
+    elif field == "train_args":
+        kw["train_args"] = ["--set", f"note={payload}"]
+    elif field == "time":
+        kw["time"] = f"01:00:00{payload}"
+    else:
+        kw[field] = payload if field != "out" else str(tmp_path / payload)
+    with pytest.raises(ValueError) as err:
+        sbatch_script(SubmitSpec.create(problem, **kw))
+    msg = str(err.value)
+    assert "\n" not in msg and len(msg) < 400, msg
+    label = {"out": "--out", "problem": "problem file", "workdir": "working directory",
+             "python": "python", "job_name": "--job-name", "partition": "--partition",
+             "account": "--account", "time": "--time", "train_args": "train argument"}[field]
+    assert label in msg, msg
+    assert not (tmp_path / "run").exists() and _pwned(tmp_path) == []
+
+
+def test_issue_repro_newline_in_out_is_a_one_line_error(tmp_path, capsys):
+    """The reported vector: ``--out $'/tmp/o\\ntouch /tmp/PWNED\\n'``."""
+    out = f"{tmp_path}/o\ntouch {tmp_path}/PWNED\n"
+    assert main(["submit", BATCH, "--gpus-per-node", "0", "--time", "01:00:00", "--dry-run",
+                 "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deepsolve submit: error: --out") and err.count("\n") == 1, err
+    assert "control character" in err
+    assert not os.path.exists(f"{tmp_path}/o") and _pwned(tmp_path) == []
+
+
+def test_a_hand_built_spec_is_checked_too(tmp_path):
+    spec = SubmitSpec.create(BATCH, gpus_per_node=0, time="01:00:00", out=str(tmp_path / "r"))
+    spec.run_dir = f"{tmp_path}/r\ntouch {tmp_path}/PWNED"
+    with pytest.raises(ValueError, match="--out"):
+        sbatch_script(spec)
+    spec.run_dir = str(tmp_path / "r")
+    spec.nodes = "1\ntouch PWNED"  # type: ignore[assignment]
+    with pytest.raises(ValueError):
+        sbatch_script(spec)
+
+
 def test_parse_time():
     assert parse_time("00:02:30") == 150
     assert parse_time("1-00:00:01") == 86401
