@@ -33,16 +33,26 @@ Reference data
 A fine solver (``fine_n`` points per side, step ``dt / fine_substeps``) integrates
 ``n_train`` (seed ``data_seed``) and ``n_test`` (seed ``data_seed + 1``, so the held-out
 initial conditions are disjoint from the training ones) initial conditions for the horizon
-:math:`T` = ``steps * dt``. Every ``obs_every`` coarse steps the fine vorticity is spectrally
-truncated to the coarse grid (:func:`~deepsolve.physics.navier_stokes.filter_to`) and stored.
-The files are HDF5 under ``data_dir`` (default ``runs/data``) in a PDEBench-like layout::
+:math:`T` = ``steps * dt``. At ``n_obs = ceil(steps / obs_every)`` observation times the fine
+vorticity is spectrally truncated to the coarse grid
+(:func:`~deepsolve.physics.navier_stokes.filter_to`) and stored. The observation times are
+spread evenly over the horizon, at coarse step counts ``round(k * steps / n_obs)``,
+``k = 1..n_obs`` (:func:`observation_steps`): every ``obs_every`` steps when ``obs_every``
+divides ``steps`` (the defaults: 100, 200, ..., 1000), otherwise as evenly as whole steps
+allow, never more than ``obs_every`` apart, the last one at the horizon -- so any horizon
+works: ``--steps 40`` observes once, at step 40; ``--steps 250`` at steps 83, 167 and 250. The
+fine solver runs exactly to those step counts (``(count - previous) * fine_substeps`` fine
+steps each), so the reference is the filtered fine solution at the very times the coarse
+model is compared with it. The files are HDF5 under ``data_dir`` (default ``runs/data``) in
+a PDEBench-like layout::
 
     ns_{split}_{hash}.h5              split = "train" or "test"
       vorticity   float32/64 (n_trajectories, n_times, coarse_n, coarse_n)  filtered fine
-      t           float64 (n_times,)   times: 0, obs_every*dt, ..., steps*dt
+      t           float64 (n_times,)   times: 0 and observation_steps(steps, obs_every) * dt
       attrs       every parameter the data depend on (fine_n, coarse_n, nu, alpha, forcing,
                   forcing_k, dt, fine_substeps, steps, obs_every, ic_peak, ic_energy,
-                  spinup, n_trajectories, seed, split, dtype, version)
+                  spinup, n_trajectories, seed, split, dtype, version), and obs_steps
+                  (the observation step counts; a function of steps and obs_every)
 
 ``{hash}`` is a hash of those attributes, so any change of the settings that define the data
 regenerates it and an unchanged configuration reuses the cache. Files are written to a
@@ -71,7 +81,7 @@ Each iteration takes ``batch`` training trajectories, starts from their filtered
 vorticity and unrolls ``steps`` learned coarse steps with ``ctx.unroll(self.step, x0, steps)``
 (checkpointed under the run's ``budget``/``snapshots``). The step returns per-step outputs,
 so the state is compared with the reference at every observation time (every ``obs_every``
-steps, the last one at :math:`T`) without storing the trajectory:
+steps or as near as the horizon allows, the last one at :math:`T`) without storing the trajectory:
 
 * ``misfit`` -- mean over observation times and trajectories of the relative L2 error
   :math:`\|\omega_i - \bar\omega_i\| / \|\bar\omega_i\|` (:math:`\bar\omega` the filtered
@@ -112,7 +122,8 @@ example (not yet run on a GPU; check the reference first, e.g. ``fine_n=512`` ag
         --set dt=0.0002 --set fine_substeps=2 --set obs_every=1000 --set n_train=64 \
         --set n_test=16 --set batch=8 --set width=32 --set depth=4 --set eval_every=50
 
-``steps`` must be a multiple of ``obs_every``; ``fine_n`` should be at least twice
+``obs_every`` is the longest interval between observations (any ``steps`` works; see
+"Reference data"); ``fine_n`` should be at least twice
 ``coarse_n``; ``dt / fine_substeps`` must satisfy the fine grid's CFL limit (roughly
 ``dt * max|u| * fine_n / 2 < 2``).
 """
@@ -209,6 +220,19 @@ def _data_attrs(cfg, split: str, n_traj: int, seed: int, dtype: torch.dtype) -> 
     }
 
 
+def observation_steps(steps: int, obs_every: int) -> list[int]:
+    """Coarse step counts of the observation times: ``n_obs = ceil(steps / obs_every)``
+    counts ``round(k * steps / n_obs)`` (halves up), ``k = 1..n_obs``. Strictly increasing,
+    at most ``obs_every`` apart, the last equal to ``steps``; ``k * obs_every`` exactly when
+    ``obs_every`` divides ``steps``. One-line ``ValueError`` unless both are >= 1."""
+    steps, obs_every = int(steps), int(obs_every)
+    if steps < 1 or obs_every < 1:
+        raise ValueError(f"navier_stokes: steps and obs_every must be >= 1, got steps={steps}, "
+                         f"obs_every={obs_every}")
+    n_obs = -(-steps // obs_every)
+    return [(2 * k * steps + n_obs) // (2 * n_obs) for k in range(1, n_obs + 1)]
+
+
 def data_path(data_dir: str, attrs: dict) -> str:
     """Cache file name: ``ns_{split}_{hash of attrs}.h5`` in ``data_dir``."""
     key = hashlib.sha256(json.dumps(attrs, sort_keys=True).encode()).hexdigest()[:16]
@@ -227,7 +251,8 @@ def generate_reference(attrs: dict, device: torch.device, dtype: torch.dtype,
     fine = Grid(attrs["fine_n"])
     nc = attrs["coarse_n"]
     sub = attrs["fine_substeps"]
-    n_obs = attrs["steps"] // attrs["obs_every"]
+    counts = observation_steps(attrs["steps"], attrs["obs_every"])
+    n_obs = len(counts)
     force = kolmogorov_forcing(fine, attrs["forcing"], attrs["forcing_k"], dtype=dtype,
                                device=device)
     solver = NavierStokes2D(fine, nu=attrs["nu"], dt=attrs["dt"] / sub, alpha=attrs["alpha"],
@@ -241,13 +266,15 @@ def generate_reference(attrs: dict, device: torch.device, dtype: torch.dtype,
             w = w0[a:a + chunk].to(device)
             w = solver.advance(w, round(attrs["spinup"] / attrs["dt"]) * sub)
             out[a:a + chunk, 0] = filter_to(w, nc).cpu()
-            for k in range(1, n_obs + 1):
-                w = solver.advance(w, attrs["obs_every"] * sub)
+            done = 0
+            for k, count in enumerate(counts, start=1):
+                w = solver.advance(w, (count - done) * sub)
+                done = count
                 out[a:a + chunk, k] = filter_to(w, nc).cpu()
     if not torch.isfinite(out).all():
         raise FloatingPointError("the fine reference solution blew up; lower dt (CFL) or "
                                  "raise fine_substeps")
-    t = torch.arange(n_obs + 1, dtype=torch.float64) * (attrs["obs_every"] * attrs["dt"])
+    t = torch.tensor([0, *counts], dtype=torch.float64) * attrs["dt"]
     return out, t
 
 
@@ -277,6 +304,7 @@ def load_or_generate(data_dir: str, attrs: dict, device: torch.device,
             f.create_dataset("t", data=t.numpy())
             for k, v in attrs.items():
                 f.attrs[k] = v
+            f.attrs["obs_steps"] = observation_steps(attrs["steps"], attrs["obs_every"])
             f.attrs["description"] = ("2D Kolmogorov flow with drag, fine-grid vorticity "
                                       "spectrally filtered to the coarse grid; "
                                       "vorticity[trajectory, time, x, y]")
@@ -317,7 +345,7 @@ class NavierStokesClosure(deepsolve.Problem):
         "coarse_n": 32,         # model grid
         "dt": 0.002,            # coarse step
         "fine_substeps": 1,     # the reference uses dt / fine_substeps
-        "obs_every": 100,       # coarse steps between observation times (divides steps)
+        "obs_every": 100,       # longest interval between observation times, in coarse steps
         "n_train": 8,           # training trajectories
         "n_test": 8,            # held-out trajectories (different seed)
         "batch": 2,             # training trajectories per iteration
@@ -333,9 +361,7 @@ class NavierStokesClosure(deepsolve.Problem):
 
     def build(self, ctx):
         cfg = ctx.cfg
-        steps, obs_every = int(cfg.steps), int(cfg.obs_every)
-        if steps < 1 or obs_every < 1 or steps % obs_every:
-            raise ValueError(f"obs_every={obs_every} must divide steps={steps}")
+        counts = observation_steps(cfg.steps, cfg.obs_every)
         if int(cfg.fine_n) < int(cfg.coarse_n):
             raise ValueError(f"fine_n={cfg.fine_n} must be >= coarse_n={cfg.coarse_n}")
         if not 1 <= int(cfg.batch) <= int(cfg.n_train):
@@ -360,6 +386,9 @@ class NavierStokesClosure(deepsolve.Problem):
         ctx.model = Closure(grid.n, int(cfg.width), int(cfg.depth), scale, vscale).to(
             device=device, dtype=dtype)
         data["batch_ref"] = None
+        data["obs_steps"] = counts
+        data["obs_index"] = {c: k for k, c in enumerate(counts, start=1)}  # count -> time
+        data["obs_rows"] = torch.tensor([c - 1 for c in counts], device=device)
         ctx.data = data
 
     def batch_size(self, ctx) -> int:
@@ -393,7 +422,7 @@ class NavierStokesClosure(deepsolve.Problem):
         """Learned step ``i``; outputs ``(misfit_i, closure_i)``, each of shape ``(B,)``.
 
         ``misfit_i`` is the relative squared error against the reference at observation
-        steps (``(i + 1) % obs_every == 0``) and zero otherwise; ``closure_i`` is
+        steps (``i + 1`` in :func:`observation_steps`) and zero otherwise; ``closure_i`` is
         ``(T * |CNN(omega_i)| / |omega_i|)**2``. The reference of the current batch is
         ``ctx.data["batch_ref"]`` (set by :meth:`residuals`).
         """
@@ -402,9 +431,9 @@ class NavierStokesClosure(deepsolve.Problem):
         dims = (-2, -1)
         horizon = float(cfg.steps) * float(cfg.dt)
         closure = (c * horizon).pow(2).sum(dims) / omega.pow(2).sum(dims)
-        k, r = divmod(i + 1, int(cfg.obs_every))
+        k = ctx.data["obs_index"].get(i + 1)
         ref = ctx.data["batch_ref"]
-        if r == 0 and ref is not None:
+        if k is not None and ref is not None:
             target = ref[k]
             misfit = (nxt - target).pow(2).sum(dims) / target.pow(2).sum(dims)
         else:
@@ -433,8 +462,7 @@ class NavierStokesClosure(deepsolve.Problem):
         ref = ctx.data["train"][idx].transpose(0, 1)  # (n_times, B, N, N)
         ctx.data["batch_ref"] = ref
         _, (sq, closure) = ctx.unroll(self.step, ref[0], steps)
-        every = int(ctx.cfg.obs_every)
-        rel = sq[every - 1::every].sqrt()  # (n_obs, B) relative L2 errors at the obs times
+        rel = sq.index_select(0, ctx.data["obs_rows"]).sqrt()  # (n_obs, B) at the obs times
         return {"misfit": rel.mean(), "closure": closure.mean()}
 
     def rollout(self, ctx, omega: torch.Tensor, n_steps: int, closure: bool = True):

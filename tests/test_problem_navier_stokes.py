@@ -178,3 +178,69 @@ def test_training_reduces_misfit_and_evaluate(problem, tmp_path):
     assert set(m) == {"rel_err_closure", "rel_err_coarse", "improvement"}
     assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
     assert m["improvement"] > 1.0  # the closure already beats the coarse solver here
+
+
+def test_observation_steps_adapt_to_any_horizon():
+    """Observation step counts: every obs_every steps when it divides the horizon (the
+    defaults, unchanged data), otherwise evenly spread, never more than obs_every apart,
+    the last one at the horizon."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_ns_obs", PROBLEM)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    obs = mod.observation_steps
+    assert obs(1000, 100) == list(range(100, 1001, 100))
+    assert obs(40, 100) == [40]
+    assert obs(15, 10) == [8, 15]
+    assert obs(250, 100) == [83, 167, 250]
+    for steps in range(1, 130):
+        for every in range(1, 40):
+            c = obs(steps, every)
+            gaps = [b - a for a, b in zip([0, *c[:-1]], c, strict=True)]
+            assert c[-1] == steps and min(gaps) >= 1 and max(gaps) <= every, (steps, every)
+    with pytest.raises(ValueError, match="obs_every must be >= 1"):
+        obs(10, 0)
+
+
+def test_horizon_that_obs_every_does_not_divide(problem, tmp_path):
+    """steps=15 with obs_every=10 (refused before: "obs_every=10 must divide steps=15"):
+    observations at steps 8 and 15, the reference stored at exactly those times, and the
+    misfit is the mean relative error at those two times."""
+    ctx = make_ctx(problem, tmp_path, steps=15)
+    assert ctx.data["obs_steps"] == [8, 15]
+    with h5py.File(ctx.data["train_path"], "r") as f:
+        assert f["vorticity"].shape[1] == 3
+        assert torch.allclose(torch.from_numpy(f["t"][...]),
+                              torch.tensor([0.0, 8 * TINY["dt"], 15 * TINY["dt"]],
+                                           dtype=torch.float64))
+        assert list(f.attrs["obs_steps"]) == [8, 15]
+    terms, loss = loss_of(problem, ctx)
+    assert torch.isfinite(loss) and terms["misfit"] > 0
+    # the same misfit from a plain rollout compared at steps 8 and 15
+    idx = problem.batch_indices(ctx, 0)
+    ref = ctx.data["train"][idx]
+    w, errs = ref[:, 0], []
+    for i in range(15):
+        w, _ = problem.advance(ctx, w)
+        if i + 1 in (8, 15):
+            k = 1 if i + 1 == 8 else 2
+            target = ref[:, k]
+            errs.append(((w - target).pow(2).sum((-2, -1)) / target.pow(2).sum((-2, -1))).sqrt())
+    assert torch.allclose(terms["misfit"], torch.stack(errs).mean(), rtol=1e-5)
+
+
+def test_train_steps_40_with_the_default_obs_every(tmp_path):
+    """`train problems/navier_stokes.py --steps 40` (obs_every=100 by default) trains: one
+    observation, at the horizon (tiny grids otherwise)."""
+    from deepsolve.cli import main
+    from deepsolve.io import read_log
+
+    sets = ["fine_n=32", "coarse_n=16", "spinup=0.2", "n_train=2", "n_test=2", "batch=2",
+            "width=4", "depth=2", "budget=", "snapshots=4", f"data_dir={tmp_path / 'data'}"]
+    out = tmp_path / "run"
+    rc = main(["train", str(PROBLEM), "--steps", "40", "--iterations", "2", "--quiet",
+               "--out", str(out), *[a for kv in sets for a in ("--set", kv)]])
+    assert rc == 0
+    log = read_log(out / "log.h5")
+    assert log.n_rows == 2 and all(math.isfinite(v) for v in log.columns["loss"])
