@@ -868,6 +868,7 @@ class _Executor:
                 i, tape = self.pending
                 self.pending = None
                 self._pull(tape, i)
+                del tape  # x_{n-1} and the last step's output: not needed any more
                 self._run(None, None, until_reverse=False)
         finally:
             if fork is not None:
