@@ -11,12 +11,15 @@ Public surface:
 * :func:`sequential` — a chain of layers with different costs and shapes, checkpointed
   optimally under a memory budget (heterogeneous dynamic program, :class:`SequentialStats`);
 * :mod:`schedules` — checkpoint schedules as lazy action streams (revolve, store_all,
-  periodic, mixed, two-level, online, heterogeneous), their costs and a checker.
+  periodic, mixed, two-level, online, heterogeneous), their costs and a checker;
+* :func:`check_gradients` — an unroll's gradients under its schedule (and revolve, periodic)
+  against store_all, replayed twice, with escaped randomness caught (docs/check.md).
 """
 
 from . import schedules
 from .executor import CompiledPolicy
 from .fixed_point import FixedPointError, FixedPointStats, FixedPointWarning, fixed_point
+from .gradcheck import check_gradients
 from .memory import BudgetError, Plan, plan
 from .problem import Context, Problem
 from .sequential import SequentialStats, sequential
@@ -29,5 +32,6 @@ __all__ = [
     "Problem", "Context",
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
     "sequential", "SequentialStats",
+    "check_gradients",
     "__version__",
 ]

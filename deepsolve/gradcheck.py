@@ -1,0 +1,794 @@
+r"""Gradient checks: :func:`check_gradients` and ``python -m deepsolve check PROBLEM.py``.
+
+A checkpointed unroll recomputes most steps in its reverse sweep. Its gradients are exact
+only if every recomputed step gives what the forward sweep gave: same state, same random
+numbers, same parameters found. :func:`check_gradients` tests that for one step function
+at a short horizon, with nothing but the public API (:func:`deepsolve.unroll`,
+:class:`deepsolve.UnrollStats`, :mod:`deepsolve.schedules`):
+
+1. the **reference**: ``unroll(step, x0, n, schedule="store_all")`` -- plain autograd
+   through the recorded graph, no recomputation;
+2. the **schedules under test**: ``"run"``, the unroll with the given keyword arguments
+   (the schedule the run uses: ``budget=``, ``snapshots=``, ``schedule=``, ``policy=``...),
+   and, unless ``also=()``, ``"revolve"`` = ``revolve(n, 2)`` (every step recomputed, many
+   times) and ``"periodic"`` = ``periodic(n)`` (kept tapes under the run's ``policy``);
+3. each schedule under test runs **twice** (the replay);
+
+every run starting from the same RNG states (torch's CPU and CUDA generators, Python's
+``random``, numpy's global generator). The loss is a fixed random projection
+:math:`L = \sum_\ell \langle w_\ell, y_\ell\rangle` of every floating-point leaf
+:math:`y_\ell` of the result (``x_n`` and the stacked per-step outputs), with
+:math:`w_\ell \sim N(0, 1)` from a private generator seeded with 0, so every component of
+the result reaches the gradient. Gradients are taken with ``torch.autograd.grad`` (the
+tensors' ``.grad`` are left alone) with respect to ``x0`` (a detached copy of its
+floating-point leaves that requires grad) and to every tensor requiring grad that the
+reference's graph reaches (module parameters, closed-over leaves; ``wrt=`` names or adds
+tensors).
+
+What is compared, and when the check fails (``.ok`` is ``False``, ``.problems`` says why):
+
+* **gradients**: for every tensor, :math:`e = \|g - g_{\text{ref}}\|_2 /
+  \max(\|g_{\text{ref}}\|_2,\ 10^{-3} G)` with :math:`G` the largest reference gradient norm
+  of all compared tensors (so tensors whose gradient is a thousandth of the largest are
+  compared in absolute terms); fails when :math:`e > \text{rtol}`, when a tensor with a
+  non-zero reference gradient gets none (``missing``: the unroll did not find it), or when a
+  tensor the reference does not reach gets a non-zero one;
+* **forward**: the result's leaves, :math:`\|y - y_{\text{ref}}\| / \|y_{\text{ref}}\|`
+  (largest over the leaves) :math:`\le` rtol;
+* **replay**: the two runs of a schedule, gradients and results, the same measure
+  :math:`\le` rtol;
+* **escaped randomness**: Python's ``random`` or numpy's global generator changed state
+  during an unroll: the step draws from a generator that the unroll does not snapshot, so
+  recomputed steps draw other numbers. Randomness from another source that the RNG
+  snapshots do not cover (a ``torch.Generator`` object, the clock) shows as a forward or
+  replay mismatch.
+
+``rtol`` defaults by the lowest floating-point precision of ``x0``: 1e-9 (float64), 1e-4
+(float32), 1e-2 (bfloat16, float16) -- the differences between exact schedules are
+summation-order rounding (float64 runs agree to ~1e-15). ``snapshot_dtype=`` in the keyword
+arguments makes the run inexact by design; give a looser ``rtol`` then.
+
+``python -m deepsolve check PROBLEM.py`` (:func:`check_problem`) builds the problem as
+``train`` would, captures its first ``ctx.unroll`` call (step, ``x0``, the run's
+``budget``/``snapshots``) and checks its first ``--steps`` steps (default 20). A problem that
+does not unroll (the PINN files) gets the residual check of :func:`check_problem`. See
+docs/check.md.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from .schedules import Schedule, periodic, revolve
+from .unroll import UnrollStats, unroll
+
+__all__ = ["check_gradients", "GradientCheck", "GradientRow", "check_problem",
+           "DEFAULT_STEPS"]
+
+#: Horizon of ``deepsolve check`` when ``--steps`` is not given.
+DEFAULT_STEPS = 20
+
+_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2,
+         torch.complex128: 1e-9, torch.complex64: 1e-4}
+#: Gradients smaller than this fraction of the largest are compared in absolute terms.
+_FLOOR = 1e-3
+_PRECISION = [torch.float16, torch.bfloat16, torch.float32, torch.complex64, torch.float64,
+              torch.complex128]
+
+_ADVICE = ("draw from torch's generator instead (torch.randn/rand/randint/dropout on the "
+           "default generator: unroll snapshots its state with every stored state and replays "
+           "it), or from a generator seeded inside the step from the step index "
+           "(torch.Generator().manual_seed(seed + i), np.random.default_rng(seed + i))")
+
+
+# --------------------------------------------------------------------------------------
+# the result
+
+
+@dataclass
+class GradientRow:
+    """One compared tensor.
+
+    Attributes:
+        name: ``x0`` (or ``x0<path>`` for a leaf of a pytree state), a parameter name, or
+            ``leaf k`` for a tensor found in the graph that has no name.
+        shape: its shape.
+        ref_norm: :math:`\\|g_{\\text{ref}}\\|_2` (``nan`` when the reference reaches it
+            but its gradient is not finite; 0 when the reference does not reach it).
+        errors: schedule label -> relative error ``e`` (see the module docstring);
+            ``inf`` for a missing or unexpected gradient.
+        missing: labels under which the tensor got no gradient although the reference
+            gives a non-zero one.
+        replay: largest relative difference between the two runs of any schedule.
+        reached: whether the reference's graph reaches the tensor at all (a parameter that
+            acts only through ``x0``, computed outside the unroll, is not reached; the
+            gradient with respect to ``x0`` carries its part).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    ref_norm: float
+    errors: dict[str, float] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    replay: float = 0.0
+    reached: bool = True
+
+
+@dataclass
+class GradientCheck:
+    """What :func:`check_gradients` (or :func:`check_problem`) found; ``str()`` or
+    :meth:`table` gives the printable table.
+
+    Attributes:
+        ok: every comparison within ``rtol``, no missing gradient, no escaped randomness.
+        n_steps: the horizon checked.
+        rtol: the tolerance used.
+        reference: the reference's label (``"store_all"``, or ``"plain autograd"`` for a
+            residual check).
+        schedules: label -> what ran under it (``UnrollStats.schedule`` of the run).
+        rows: one :class:`GradientRow` per compared tensor.
+        forward: label -> largest relative difference of the result from the reference's.
+        problems: why the check failed (empty when ``ok``), one line each, with what to do.
+        notes: facts that do not fail the check (a run that was store_all anyway...).
+        title: first line of the table.
+    """
+
+    ok: bool
+    n_steps: int
+    rtol: float
+    reference: str
+    schedules: dict[str, str]
+    rows: list[GradientRow]
+    forward: dict[str, float]
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    title: str = ""
+
+    def table(self) -> str:
+        """The per-tensor table, the schedules' legend, the notes and the verdict."""
+        labels = list(self.schedules)
+        lines = [self.title] if self.title else []
+        lines += [f"  {k:<10} {v}" for k, v in self.schedules.items()]
+        head = ["tensor", "shape", f"|grad| {self.reference}", *labels, "replay"]
+        body = []
+        for r in self.rows:
+            cells = [r.name, "x".join(map(str, r.shape)) or "scalar",
+                     _num(r.ref_norm) if r.reached else "not reached"]
+            for lb in labels:
+                cells.append("missing" if lb in r.missing else _err(r.errors.get(lb)))
+            cells.append(_err(r.replay))
+            body.append(cells)
+        body.append(["(result)", "", "", *[_err(self.forward.get(lb)) for lb in labels], ""])
+        widths = [max(len(row[c]) for row in [head, *body]) for c in range(len(head))]
+        fmt = "  ".join(f"{{:<{w}}}" if c < 2 else f"{{:>{w}}}" for c, w in enumerate(widths))
+        lines += ["", fmt.format(*head), *(fmt.format(*row) for row in body), ""]
+        lines.append(f"relative errors against {self.reference} (rtol {self.rtol:.0e}); "
+                     "(result): the unroll's x_n and outputs (the loss for a residual check)")
+        lines += [f"note: {n}" for n in self.notes]
+        if self.ok:
+            lines.append("ok: every gradient matches, recomputation is deterministic")
+        else:
+            lines += [f"MISMATCH: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _num(x: float) -> str:
+    return "nan" if x != x else f"{x:.3e}"
+
+
+def _err(e: float | None) -> str:
+    if e is None:
+        return "-"
+    if e == 0:
+        return "0"
+    return "inf" if math.isinf(e) else ("nan" if e != e else f"{e:.1e}")
+
+
+# --------------------------------------------------------------------------------------
+# RNG states
+
+
+@dataclass
+class _RNG:
+    torch: torch.Tensor
+    cuda: list[torch.Tensor] | None
+    random: Any
+    numpy: dict
+
+
+def _rng_get() -> _RNG:
+    cuda = (torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    return _RNG(torch.get_rng_state(), cuda, random.getstate(),
+                np.random.get_state(legacy=False))
+
+
+def _rng_set(s: _RNG) -> None:
+    torch.set_rng_state(s.torch)
+    if s.cuda is not None:
+        torch.cuda.set_rng_state_all(s.cuda)
+    random.setstate(s.random)
+    np.random.set_state(s.numpy)
+
+
+def _escaped(before: _RNG, after: _RNG) -> list[str]:
+    """The generators outside torch whose state differs between ``before`` and ``after``."""
+    out = []
+    if before.random != after.random:
+        out.append("Python's random module")
+    a, b = before.numpy, after.numpy
+    if (a["state"]["pos"] != b["state"]["pos"] or a["has_gauss"] != b["has_gauss"]
+            or not np.array_equal(a["state"]["key"], b["state"]["key"])):
+        out.append("numpy's global generator (np.random.*)")
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+
+
+def _floating(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return [tree] if isinstance(tree, torch.Tensor) else pytree.tree_leaves(tree)
+
+
+def _x0_names(x0: Any) -> list[str]:
+    if isinstance(x0, torch.Tensor):
+        return ["x0"]
+    try:
+        flat, _ = pytree.tree_flatten_with_path(x0)
+        return [f"x0{pytree.keystr(path)}" for path, _ in flat]
+    except Exception:  # pragma: no cover - old pytree without paths
+        return [f"x0[{k}]" for k in range(len(pytree.tree_leaves(x0)))]
+
+
+def _projection(result: Any) -> torch.Tensor | None:
+    """``sum_l <w_l, y_l>`` over the floating-point leaves ``y_l`` of ``result`` that require
+    grad, ``w_l ~ N(0, 1)`` drawn (in float64) from a generator seeded with 0 for every
+    floating leaf in order, so the weights are the same in every run."""
+    g = torch.Generator().manual_seed(0)
+    total = None
+    for y in _leaves(result):
+        if not _floating(y):
+            continue
+        v = torch.view_as_real(y) if y.is_complex() else y
+        w = torch.randn(v.shape, generator=g, dtype=torch.float64).to(v.device)
+        if not y.requires_grad:
+            continue
+        term = (w * v.double()).sum()
+        total = term if total is None else total + term
+    return total
+
+
+def _graph_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Leaf tensors requiring grad that the graph of ``roots`` reaches (their
+    ``AccumulateGrad`` nodes), in the order first found."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set = set()
+    stack = []
+    for t in roots:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad:
+            found[id(t)] = t
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            found.setdefault(id(var), var)
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return list(found.values())
+
+
+def _rel(a: torch.Tensor | None, b: torch.Tensor | None, floor: float) -> float:
+    """``||a - b|| / max(||b||, floor)``; ``inf`` when exactly one is absent (or zero while
+    the other is not)."""
+    if a is None and b is None:
+        return 0.0
+    if a is None or b is None:
+        t = a if b is None else b
+        return 0.0 if not bool((t != 0).any()) else math.inf
+    a, b = a.detach().double(), b.detach().double()
+    if a.is_complex() or b.is_complex():
+        a, b = a.to(torch.complex128), b.to(torch.complex128)
+    d = float((a - b).norm())
+    if d == 0:
+        return 0.0
+    return d / max(float(b.norm()), floor, 1e-300)
+
+
+def _forward_diff(ys: list, refs: list) -> float:
+    out = 0.0
+    for y, r in zip(ys, refs, strict=True):
+        if y is None or r is None:
+            continue
+        if y.shape != r.shape or y.dtype != r.dtype:
+            return math.inf
+        e = _rel(y, r, 0.0)
+        out = e if e != e else max(out, e)
+        if out != out:
+            return out
+    return out
+
+
+def _default_rtol(x0_leaves: list[torch.Tensor]) -> float:
+    dts = [t.dtype for t in x0_leaves if _floating(t)]
+    if not dts:
+        return 1e-4
+    low = min(dts, key=lambda d: _PRECISION.index(d) if d in _PRECISION else 2)
+    return _RTOL.get(low, 1e-4)
+
+
+# --------------------------------------------------------------------------------------
+# check_gradients
+
+_SCHEDULE_KW = ("budget", "snapshots", "schedule", "offload", "spill_dir")
+
+
+def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
+                    wrt: Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | None = None,
+                    also: Sequence[str | Schedule] = ("revolve", "periodic"),
+                    rtol: float | None = None, verbose: bool = False,
+                    **unroll_kwargs: Any) -> GradientCheck:
+    """Check the gradients of ``unroll(step, x0, n_steps, **unroll_kwargs)`` against plain
+    autograd, and that recomputation is deterministic (see the module docstring for what is
+    compared and the tolerances).
+
+    Args:
+        step, x0, n_steps: as for :func:`deepsolve.unroll`; use a short horizon (tens of
+            steps): the reference keeps every step's graph.
+        wrt: tensors whose gradients to compare, as ``{name: tensor}`` (names for the table)
+            or a list, in addition to ``x0`` and to the leaves requiring grad that the
+            reference's graph reaches (found automatically; the parameters of the module
+            whose method ``step`` is are named after it).
+        also: schedules checked besides the run's: ``"revolve"`` (``revolve(n, 2)``),
+            ``"periodic"`` (``periodic(n)``) or schedule objects for ``n_steps`` steps. They
+            run with the run's ``policy=``, ``preserve_rng=``, ``params=``,
+            ``has_output=`` and ``snapshot_dtype=``, without its ``budget=``/
+            ``snapshots=``/``schedule=``.
+        rtol: tolerance (default by ``x0``'s dtype: 1e-9 float64, 1e-4 float32, 1e-2
+            16-bit).
+        verbose: print the table.
+        **unroll_kwargs: the run's arguments of :func:`deepsolve.unroll` (``budget=``,
+            ``snapshots=``, ``schedule=``, ``policy=``, ``preserve_rng=``...); not
+            ``until=``/``max_steps=`` (the check needs a fixed horizon) or ``stats=``.
+
+    Returns:
+        a :class:`GradientCheck`; ``.ok`` says whether everything matched. It prints nothing
+        unless ``verbose``. Global RNG states are left as they were.
+
+    Raises:
+        ValueError: bad arguments, or nothing in the unroll requires grad.
+    """
+    if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"check_gradients: n_steps must be an integer >= 1, got {n_steps!r}")
+    for k in ("until", "max_steps", "stats"):
+        if k in unroll_kwargs:
+            raise ValueError(f"check_gradients: {k}= is not supported (the check runs a fixed "
+                             "number of steps and fills its own UnrollStats)")
+    x0_leaves = _leaves(x0)
+    spec = None if isinstance(x0, torch.Tensor) else pytree.tree_structure(x0)
+    leaves_in = [t.detach().clone().requires_grad_(True) if _floating(t) else t
+                 for t in x0_leaves]
+    x0c = leaves_in[0] if spec is None else pytree.tree_unflatten(leaves_in, spec)
+    x0_inputs = [(name, t) for name, t in zip(_x0_names(x0), leaves_in, strict=True)
+                 if _floating(t)]
+    tol = float(rtol) if rtol is not None else _default_rtol(x0_leaves)
+
+    names: dict[int, str] = {}
+    extra: list[torch.Tensor] = []
+    if isinstance(wrt, Mapping):
+        for k, t in wrt.items():
+            names.setdefault(id(t), str(k))
+            extra.append(t)
+    elif wrt is not None:
+        extra.extend(wrt)
+    owner = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        for k, p in owner.named_parameters():
+            names.setdefault(id(p), k)
+    extra.extend(p for p in (unroll_kwargs.get("params") or []) if isinstance(p, torch.Tensor))
+
+    base = {k: v for k, v in unroll_kwargs.items() if k not in _SCHEDULE_KW}
+    runs: list[tuple[str, dict]] = [("run", dict(unroll_kwargs))]
+    for a in also:
+        if isinstance(a, Schedule):
+            runs.append((getattr(a, "kind", "schedule"), {**base, "schedule": a}))
+        elif a == "revolve":
+            runs.append(("revolve", {**base, "schedule": revolve(n_steps, 2)}))
+        elif a == "periodic":
+            runs.append(("periodic", {**base, "schedule": periodic(n_steps)}))
+        else:
+            raise ValueError(f"check_gradients: also= takes 'revolve', 'periodic' or schedule "
+                             f"objects, got {a!r}")
+    ref_kw = {k: v for k, v in base.items() if k in ("params", "has_output")}
+
+    rng0 = _rng_get()
+    escaped: dict[str, list[str]] = {}
+    try:
+        # the reference: plain autograd through the recorded graph
+        _rng_set(rng0)
+        stats = UnrollStats()
+        res = unroll(step, x0c, n_steps, schedule="store_all", stats=stats, **ref_kw)
+        loss = _projection(res)
+        if loss is None:
+            raise ValueError("check_gradients: nothing in the unroll's result requires grad "
+                             "(x0 has no floating-point leaves and the step uses no tensor "
+                             "that requires grad)")
+        ref_values = [y.detach().clone() if _floating(y) else None for y in _leaves(res)]
+        ids = {id(t) for _, t in x0_inputs}
+        found = [t for t in _graph_leaves([y for y in _leaves(res) if _floating(y)])
+                 if id(t) not in ids]
+        params = list({id(t): t for t in [*extra, *found] if id(t) not in ids}.values())
+        unnamed = 0
+        inputs: list[tuple[str, torch.Tensor]] = list(x0_inputs)
+        for p in params:
+            name = names.get(id(p))
+            if name is None:
+                name, unnamed = f"leaf {unnamed}", unnamed + 1
+            inputs.append((name, p))
+        tensors = [t for _, t in inputs]
+        need = [t.requires_grad for t in tensors]
+        ref_grads = _grad(loss, tensors, need)
+        if esc := _escaped(rng0, _rng_get()):
+            escaped["store_all"] = esc
+        del res, loss
+
+        results: dict[str, list[tuple[list, list]]] = {}
+        schedules: dict[str, str] = {}
+        for label, kw in runs:
+            results[label] = []
+            for _ in range(2):
+                _rng_set(rng0)
+                stats = UnrollStats()
+                res = unroll(step, x0c, n_steps, stats=stats, **kw)
+                loss = _projection(res)
+                values = [y.detach().clone() if _floating(y) else None for y in _leaves(res)]
+                grads = _grad(loss, tensors, need) if loss is not None else [None] * len(need)
+                if esc := _escaped(rng0, _rng_get()):
+                    escaped.setdefault(label, esc)
+                results[label].append((values, grads))
+                schedules[label] = stats.schedule or "?"
+                del res, loss
+    finally:
+        _rng_set(rng0)
+
+    # drop extra schedules that are the run's own
+    for label in [lb for lb in results if lb != "run"]:
+        if schedules[label] == schedules["run"]:
+            del results[label], schedules[label]
+
+    finite_norms = [float(g.detach().double().norm()) for g in ref_grads if g is not None]
+    big = max([n for n in finite_norms if math.isfinite(n)] or [0.0])
+    floor = _FLOOR * big
+    rows = []
+    for k, (name, t) in enumerate(inputs):
+        g_ref = ref_grads[k]
+        ref_norm = float(g_ref.detach().double().norm()) if g_ref is not None else 0.0
+        row = GradientRow(name, tuple(t.shape), ref_norm, reached=g_ref is not None)
+        for label, ((_, g1), (_, g2)) in results.items():
+            e = _rel(g1[k], g_ref, floor)
+            row.errors[label] = e
+            if g1[k] is None and g_ref is not None and ref_norm > 0:
+                row.missing.append(label)
+            row.replay = max(row.replay, _rel(g2[k], g1[k], floor))
+        rows.append(row)
+    forward = {label: max(_forward_diff(v1, ref_values), _forward_diff(v2, v1))
+               for label, ((v1, _), (v2, _)) in results.items()}
+
+    problems: list[str] = []
+    notes: list[str] = []
+    advice = _ADVICE
+    if escaped:
+        srcs = sorted({s for v in escaped.values() for s in v})
+        problems.append(f"the step draws from {' and '.join(srcs)} (its state changed during "
+                        "the unroll), which unroll does not snapshot: recomputed steps draw "
+                        f"other numbers and checkpointed gradients are wrong; {_ADVICE}")
+        advice = "see above"
+    bad_ref = [r.name for r in rows if not math.isfinite(r.ref_norm)]
+    if bad_ref:
+        problems.append(f"the reference (store_all) gradient of {_list(bad_ref)} is not finite: "
+                        "the step itself overflows or divides by zero at this horizon")
+    fwd = [f"{lb} ({_err(f)})" for lb, f in forward.items() if not f <= tol]
+    if fwd:
+        problems.append(f"the result of {_list(fwd)} differs from store_all's or between two "
+                        "runs although every run starts from the same RNG states: the step is "
+                        "not a deterministic function of (state, i) and torch's RNG (it draws "
+                        "from a torch.Generator object, numpy, Python's random or the clock, "
+                        f"or keeps state between calls); {advice}")
+        advice = "see above"
+    for r in rows:
+        if r.missing:
+            problems.append(
+                f"{r.name} gets no gradient under {_list(r.missing)} (store_all's has norm "
+                f"{_num(r.ref_norm)}): the unroll did not find it (a tensor used only at some "
+                "steps?); pass it with params=[...]")
+    wrong = []
+    for label in results:
+        bad = [f"{r.name} {_err(r.errors[label])}" for r in rows
+               if label not in r.missing and not r.errors[label] <= tol]
+        if bad:
+            wrong.append(f"{label}: {_list(bad)}")
+    if wrong:
+        problems.append(f"gradients differ from store_all's by more than rtol {tol:.0e}: "
+                        + "; ".join(wrong))
+    replay = [r.name for r in rows if not r.replay <= tol]
+    if replay:
+        problems.append(f"two runs of one schedule from the same RNG states give different "
+                        f"gradients of {_list(replay)}: recomputation is not deterministic; "
+                        f"{advice}")
+    unreached = [r.name for r in rows if not r.reached]
+    if unreached:
+        notes.append(f"{_list(unreached)}: not reached by the unroll's graph (unused, or acting "
+                     "only through x0, which is computed outside the unroll and whose "
+                     "gradient is compared)")
+    if schedules.get("run", "").startswith("store_all"):
+        notes.append(f"the run's settings unroll {n_steps} steps with store_all here (nothing "
+                     "recomputed); the other schedules exercise recomputation")
+    if unroll_kwargs.get("snapshot_dtype") is not None:
+        notes.append("snapshot_dtype= stores rounded snapshots: those gradients are inexact "
+                     "by design")
+    out = GradientCheck(ok=not problems, n_steps=n_steps, rtol=tol, reference="store_all",
+                        schedules=schedules, rows=rows, forward=forward, problems=problems,
+                        notes=notes,
+                        title=f"gradient check: {n_steps} steps, schedules against store_all "
+                              "(each run twice):")
+    if verbose:
+        print(out.table())
+    return out
+
+
+def _grad(loss: torch.Tensor, tensors: list[torch.Tensor], need: list[bool]
+          ) -> list[torch.Tensor | None]:
+    idx = [k for k, n in enumerate(need) if n]
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    if not idx or not loss.requires_grad:
+        return out
+    gs = torch.autograd.grad(loss, [tensors[k] for k in idx], allow_unused=True)
+    for k, g in zip(idx, gs, strict=True):
+        out[k] = g
+    return out
+
+
+def _list(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+# --------------------------------------------------------------------------------------
+# problem files
+
+
+class _Captured(Exception):
+    def __init__(self, step: Callable, state: Any, n: int, kw: dict):
+        self.step, self.state, self.n, self.kw = step, state, n, kw
+
+
+def check_problem(problem_path: str, *, steps: int | None = None,
+                  sets: list[str] | None = None,
+                  overrides: Mapping[str, Any] | None = None,
+                  rtol: float | None = None) -> GradientCheck:
+    """``deepsolve check PROBLEM.py``: build the problem as ``train`` would (settings,
+    ``--set`` pairs and ``overrides``, seeded), then
+
+    * **a problem that unrolls**: capture its first ``ctx.unroll(step, x0, ...)`` call in
+      ``residuals(ctx, 0)`` with the keyword arguments the run would pass (its ``budget`` or
+      ``snapshots`` setting unless the problem gives a schedule itself) and run
+      :func:`check_gradients` on its first ``steps`` steps (default
+      ``min(DEFAULT_STEPS, the run's steps)``), comparing the gradients of ``x0`` and of
+      every model parameter;
+    * **a problem that does not** (the PINN files): the gradient of its loss at iteration 0
+      (the terms weighted by ``weights(ctx)``) with respect to every model parameter is
+      computed with plain autograd (``residual_budget`` and ``budget`` empty), with the
+      residual chunked and recomputed in backward (``residual_budget``, or ``budget`` where
+      the problem has no ``residual_budget``, set to a quarter of the bytes the plain loss
+      saves for backward: about four chunks) and with the run's own settings, each compared
+      with plain autograd; the run's evaluation runs twice (replay). Tolerances and
+      measures as in :func:`check_gradients`, with the loss value in the ``(result)`` row.
+
+    Returns a :class:`GradientCheck` (``title`` names the problem). One-line
+    ``ValueError`` for a bad ``steps`` or a problem whose unroll has no fixed length.
+    """
+    from .problem import Problem, load_problem
+    from .train import build, resolve_config
+
+    problem0, _ = load_problem(problem_path)
+    cfg = resolve_config(problem0, overrides, sets)
+    problem, ctx, _ = build(problem_path, cfg)
+    rng0 = _rng_get()
+
+    def capture(step, state, n_steps=None, **kw):
+        n = int(ctx.cfg.steps) if n_steps is None else n_steps
+        kw.pop("stats", None)
+        if "budget" not in kw and "snapshots" not in kw and "schedule" not in kw:
+            if ctx.cfg.budget:  # as Context.unroll does
+                kw["budget"] = ctx.cfg.budget
+            elif ctx.cfg.snapshots:
+                kw["snapshots"] = int(ctx.cfg.snapshots)
+        fn = step
+        if hasattr(step, "__self__") and isinstance(step.__self__, Problem):
+            meth = step
+
+            def fn(x, i):
+                return meth(ctx, x, i)
+
+        raise _Captured(fn, state, n, kw)
+
+    ctx.unroll = capture
+    try:
+        terms = problem.residuals(ctx, 0)
+    except _Captured as c:
+        return _check_unroll(problem_path, ctx, c, steps, rtol)
+    res = _check_residuals(problem_path, problem, ctx, cfg, terms, rng0, rtol)
+    if steps is not None:
+        res.notes.append(f"--steps {steps} has no effect: {problem_path} does not unroll")
+    return res
+
+
+def _check_unroll(problem_path: str, ctx, c: _Captured, steps: int | None,
+                  rtol: float | None) -> GradientCheck:
+    if "until" in c.kw or c.n is None:
+        raise ValueError(f"{problem_path}: its unroll has no fixed length (until=); check "
+                         "needs a fixed number of steps")
+    n_run = int(c.n)
+    if steps is None:
+        steps = min(DEFAULT_STEPS, n_run)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"--steps {steps!r}: expected a whole number >= 1")
+    if steps > n_run:
+        raise ValueError(f"--steps {steps}: {problem_path} unrolls {n_run} steps; check at "
+                         f"most {n_run} (or lengthen the run with --set steps=...)")
+    named = {k: p for k, p in ctx.model.named_parameters() if p.requires_grad}
+    kw = dict(c.kw)
+    res = check_gradients(c.step, c.state, steps, wrt=named, rtol=rtol, **kw)
+    how = ", ".join(f"{k}={v!r}" for k, v in kw.items() if k in _SCHEDULE_KW) or "store_all"
+    res.title = (f"deepsolve check {problem_path}: the first {steps} of the run's {n_run} "
+                 f"steps (run settings: {how}), each schedule run twice, against store_all:")
+    return res
+
+
+def _loss_and_grads(problem, ctx, terms, weights: Mapping[str, float],
+                    params: list[torch.Tensor]) -> tuple[float, list[torch.Tensor | None]]:
+    loss = sum(float(weights.get(k, 1.0)) * v for k, v in terms.items())
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+        raise ValueError("the problem's loss does not depend on its model's parameters: "
+                         "nothing to check")
+    return float(loss.detach()), _grad(loss, params, [True] * len(params))
+
+
+def _evaluate(problem, ctx, rng0: _RNG) -> tuple[dict, int, list[str]]:
+    from .pinn import SavedBytes
+
+    _rng_set(rng0)
+    with SavedBytes() as meter:
+        terms = problem.residuals(ctx, 0)
+        saved = meter.peak
+    return terms, saved, _escaped(rng0, _rng_get())
+
+
+def _check_residuals(problem_path: str, problem, ctx, cfg: dict, terms0, rng0: _RNG,
+                     rtol: float | None) -> GradientCheck:
+    from .train import build
+
+    named = [(k, p) for k, p in ctx.model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    weights = dict(problem.weights(ctx) or {})
+    tol = float(rtol) if rtol is not None else _default_rtol(params)
+    keys = [k for k in ("residual_budget", "budget") if k in cfg]
+    run_chunks = any(str(cfg[k]) for k in keys)
+    escaped: set[str] = set()
+    try:
+        loss_run, g_run = _loss_and_grads(problem, ctx, terms0, weights, params)
+        del terms0
+        terms, saved_run, esc = _evaluate(problem, ctx, rng0)
+        escaped.update(esc)
+        loss_replay, g_replay = _loss_and_grads(problem, ctx, terms, weights, params)
+        del terms
+
+        def other(settings: dict) -> tuple[float, list, int]:
+            c2 = dict(cfg, **settings)
+            prob2, ctx2, _ = build(problem_path, c2)
+            ctx2.model.load_state_dict(ctx.model.state_dict())
+            p2 = [p for _, p in ctx2.model.named_parameters() if p.requires_grad]
+            t2, saved, esc2 = _evaluate(prob2, ctx2, rng0)
+            escaped.update(esc2)
+            loss, g = _loss_and_grads(prob2, ctx2, t2, weights, p2)
+            return loss, g, saved
+
+        if run_chunks:
+            loss_plain, g_plain, saved_plain = other({k: "" for k in keys})
+        else:
+            loss_plain, g_plain, saved_plain = loss_run, g_run, saved_run
+        key = "residual_budget" if "residual_budget" in cfg else "budget"
+        chunk_budget = f"{max(saved_plain // 4, 1)}B"
+        loss_chunk, g_chunk, saved_chunk = other({**{k: "" for k in keys}, key: chunk_budget})
+    finally:
+        _rng_set(rng0)
+
+    big = max([float(g.double().norm()) for g in g_plain if g is not None] or [0.0])
+    floor = _FLOOR * big
+    labels = {"chunked": (g_chunk, loss_chunk)}
+    if run_chunks:
+        labels = {"run": (g_run, loss_run), **labels}
+    rows = []
+    for k, (name, p) in enumerate(named):
+        ref = g_plain[k]
+        row = GradientRow(name, tuple(p.shape),
+                          float(ref.double().norm()) if ref is not None else 0.0,
+                          reached=ref is not None)
+        for label, (g, _) in labels.items():
+            row.errors[label] = _rel(g[k], ref, floor)
+            if g[k] is None and ref is not None and row.ref_norm > 0:
+                row.missing.append(label)
+        row.replay = _rel(g_replay[k], g_run[k], floor)
+        rows.append(row)
+
+    def lrel(a: float, b: float) -> float:
+        return 0.0 if a == b else abs(a - b) / max(abs(b), 1e-300)
+
+    forward = {label: lrel(v, loss_plain) for label, (_, v) in labels.items()}
+    schedules = {label: "" for label in labels}
+    if run_chunks:
+        schedules["run"] = ("the run's settings: "
+                            + ", ".join(f"{k}={cfg[k]!r}" for k in keys if str(cfg[k])))
+    schedules["chunked"] = (f"{key}={chunk_budget!r} (a quarter of the {saved_plain} bytes the "
+                            f"plain loss saves; {saved_chunk} saved chunked)")
+    problems: list[str] = []
+    notes: list[str] = [f"{problem_path} does not unroll: the residual check compares its "
+                        "loss gradient (iteration 0) under chunked, recomputed residuals with "
+                        "plain autograd"]
+    if saved_plain > 0 and saved_chunk >= 0.75 * saved_plain:
+        notes.append(f"setting {key} did not chunk the loss (it saves {saved_chunk} of "
+                     f"{saved_plain} bytes): nothing is recomputed, so there are no "
+                     "checkpointed gradients to compare; checked that the gradient is "
+                     "deterministic")
+    if escaped:
+        notes.append(f"residuals() draws from {' and '.join(sorted(escaped))}; that is fine "
+                     "outside the residual function, but chunks recomputed in backward do not "
+                     f"replay it: inside it, {_ADVICE}")
+    for label, (_g, v) in labels.items():
+        missing = [r.name for r in rows if label in r.missing]
+        wrong = [f"{r.name} ({_err(r.errors[label])})" for r in rows
+                 if label not in r.missing and not r.errors[label] <= tol]
+        if not forward[label] <= tol:
+            problems.append(f"{label} ({schedules[label]}): the loss is {v!r}, plain autograd "
+                            f"gives {loss_plain!r}")
+        if missing:
+            problems.append(f"{label}: {_list(missing)} get no gradient, plain autograd's is "
+                            "non-zero")
+        if wrong:
+            problems.append(f"{label}: the gradient of {_list(wrong)} differs from plain "
+                            f"autograd's by more than rtol {tol:.0e}")
+    replay = [r.name for r in rows if not r.replay <= tol]
+    if replay or not lrel(loss_replay, loss_run) <= tol:
+        problems.append(f"two evaluations of the loss at iteration 0 give different gradients "
+                        f"of {_list(replay) or 'the loss'}: the loss is not deterministic; "
+                        f"{_ADVICE}")
+    bad = [r.name for r in rows if not math.isfinite(r.ref_norm)]
+    if bad:
+        problems.append(f"the plain-autograd gradient of {_list(bad)} is not finite")
+    return GradientCheck(ok=not problems, n_steps=0, rtol=tol, reference="plain autograd",
+                         schedules=schedules, rows=rows, forward=forward, problems=problems,
+                         notes=notes,
+                         title=f"deepsolve check {problem_path}: no unroll; the loss gradient "
+                               "at iteration 0, chunked residuals against plain autograd:")
