@@ -44,7 +44,8 @@ import torch
 from .executor import UnrollStats
 from .unroll import unroll
 
-__all__ = ["Problem", "Context", "load_problem", "ProblemError", "TRAINER_DEFAULTS"]
+__all__ = ["Problem", "Context", "load_problem", "ProblemError", "TRAINER_DEFAULTS",
+           "check_settings"]
 
 
 class ProblemError(ValueError):
@@ -66,6 +67,52 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "grad_clip": 0.0,        # clip the global gradient norm (0 = off)
     "memory_every": 1,       # CPU runs with a budget: measure tracked memory every N iterations
 }
+
+
+#: Ranges of the trainer's numeric settings: (kind, lowest value, what the bound means).
+#: ``int`` settings must be integers, ``float`` ones finite numbers (``grad_clip`` may also be
+#: ``inf``, which like 0 turns clipping off).
+SETTING_RANGES: dict[str, tuple[type, float, str]] = {
+    "iterations": (int, 0, ">= 0"),
+    "lr": (float, 0.0, ">= 0"),
+    "steps": (int, 0, ">= 0"),
+    "snapshots": (int, 0, ">= 0 (0: store every step)"),
+    "eval_every": (int, 0, ">= 0 (0: evaluate only at the end)"),
+    "checkpoint_every": (int, 1, ">= 1"),
+    "grad_clip": (float, 0.0, ">= 0 (0: no clipping)"),
+    "memory_every": (int, 1, ">= 1"),
+}
+
+
+def check_settings(cfg: Mapping[str, Any]) -> None:
+    """Check the trainer settings of a resolved configuration against
+    :data:`SETTING_RANGES` (and ``seed`` is an integer); one-line ``ValueError`` naming the
+    setting, its value and the allowed range."""
+    import math
+    import numbers
+
+    for key, (kind, low, allowed) in SETTING_RANGES.items():
+        if key not in cfg:
+            continue
+        v = cfg[key]
+        ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+        if ok and kind is int:
+            ok = isinstance(v, numbers.Integral) or (isinstance(v, float) and v.is_integer())
+            what = "an integer"
+        else:
+            what = "a number"
+            if ok and not math.isfinite(v) and not (key == "grad_clip" and v == math.inf):
+                ok = False
+                what = "a finite number"
+        if not ok:
+            raise ValueError(f"setting {key}={v!r} is not {what}; use --set {key}=VALUE with "
+                             f"VALUE {allowed}")
+        if v < low:
+            raise ValueError(f"setting {key}={v!r} is out of range: {key} must be {allowed} "
+                             f"(--set {key}=...)")
+    seed = cfg.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"setting seed={seed!r} is not an integer")
 
 
 class Context:

@@ -12,16 +12,20 @@ increasing.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
 import platform
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +33,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .problem import Context, Problem, ProblemError, apply_overrides, load_problem
+from .problem import (
+    Context,
+    Problem,
+    ProblemError,
+    apply_overrides,
+    check_settings,
+    load_problem,
+)
 
-__all__ = ["train", "TrainResult", "PREEMPTED_EXIT_CODE", "plan_problem"]
+__all__ = ["train", "TrainResult", "PREEMPTED_EXIT_CODE", "plan_problem", "RestartError",
+           "RunDirBusy", "save_restart", "load_restart", "remove_stale_temporaries"]
 
 #: Exit code of a run stopped by SIGTERM/SIGUSR1 after writing its restart file
 #: (EX_TEMPFAIL: "try again"); a batch script requeues on it.
@@ -64,8 +76,7 @@ def resolve_config(problem: Problem, overrides: Mapping[str, Any] | None = None,
         if k not in cfg:
             raise ValueError(f"unknown setting {k!r}")
         cfg[k] = v
-    if int(cfg["iterations"]) < 0:
-        raise ValueError(f"iterations must be >= 0, got {cfg['iterations']}")
+    check_settings(cfg)
     if cfg["dtype"] not in _DTYPES:
         raise ValueError(f"dtype {cfg['dtype']!r} is not one of {', '.join(_DTYPES)}")
     return cfg
@@ -108,10 +119,40 @@ def _set_rng_state(ctx: Context, state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(s, i)
 
 
+def _check_rng_state(state: Any) -> None:
+    """Raise if ``state`` (a restart's ``rng``) does not fit this process's generators;
+    tried on scratch generators, so nothing is changed."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"a {type(state).__name__}, not a dict")
+    missing = [k for k in ("torch", "numpy", "python", "generator") if k not in state]
+    if missing:
+        raise KeyError(f"no {', '.join(missing)} state")
+    torch.Generator().set_state(state["torch"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.RandomState().set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss,
+                                       gauss))
+    py = state["python"]
+    random.Random().setstate((py[-1], tuple(py[:-1]), None))
+    torch.Generator().set_state(state["generator"])
+
+
+class RestartError(ValueError):
+    """A restart file cannot be written, read or used; the message is one line naming it."""
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
 def save_restart(path: str, *, iteration: int, model, optimizer, scheduler, ctx: Context,
                  cfg: dict, sha: str, problem_state: dict | None = None) -> None:
-    """Write the restart file atomically: a temporary file in the same directory, fsync,
-    then ``os.replace`` — a kill at any moment leaves the previous restart file intact."""
+    """Write the restart file atomically: a temporary file ``PATH.tmp-<pid>`` in the same
+    directory, fsync, then ``os.replace`` — a kill at any moment leaves the previous restart
+    file intact. On failure (a full disk) the temporary file is removed and
+    :class:`RestartError` says why."""
     payload = {
         "iteration": iteration,
         "model": model.state_dict(),
@@ -123,21 +164,188 @@ def save_restart(path: str, *, iteration: int, model, optimizer, scheduler, ctx:
         "problem": problem_state or {},
     }
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        _remove_quietly(tmp)
+        if isinstance(e, (OSError, RuntimeError)):
+            why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())
+            prev = "the previous restart file is intact" if os.path.exists(path) else \
+                "there is no restart file yet"
+            raise RestartError(f"{path}: cannot write the restart file at iteration "
+                               f"{iteration} ({why}); {prev}") from None
+        raise
+
+
+_REQUIRED = ("iteration", "model", "optimizer", "rng")
+_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (Mapping,), "optimizer": (Mapping,), "rng": (Mapping,), "scheduler": (Mapping,),
+    "problem": (Mapping,), "config": (str,), "problem_sha256": (str,),
+}
 
 
 def load_restart(path: str) -> dict[str, Any]:
+    """Load a restart file (``torch.load(weights_only=True)``) and check its fields: a dict
+    with ``iteration`` (an int >= 0), ``model``, ``optimizer`` and ``rng`` (dicts), and the
+    optional fields of the right types. Raises :class:`RestartError` (one line)."""
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        state = torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
-        raise ValueError(f"--resume: no restart file at {path}") from None
+        raise RestartError(f"--resume: no restart file at {path}") from None
     except Exception as e:
-        raise ValueError(f"--resume: cannot read the restart file {path}: "
-                         f"{type(e).__name__}: {e}") from e
+        raise RestartError(f"--resume: cannot read the restart file {path}: "
+                           f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    if not isinstance(state, dict):
+        raise RestartError(f"{path}: not a restart file (it holds a {type(state).__name__}, "
+                           "not a dict)")
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise RestartError(f"{path}: not a complete restart file: no "
+                           f"{', '.join(map(repr, missing))}")
+    for k, types in _TYPES.items():
+        if k in state and not isinstance(state[k], types):
+            raise RestartError(f"{path}: {k!r} is a {type(state[k]).__name__}, not a "
+                               f"{'dict' if types == (Mapping,) else 'str'}")
+    k = state["iteration"]
+    if isinstance(k, torch.Tensor) and k.numel() == 1 and not k.is_floating_point():
+        k = int(k.item())
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise RestartError(f"{path}: 'iteration' is {type(k).__name__} {str(k)[:40]}, not an "
+                           "integer")
+    if k < 0:
+        raise RestartError(f"{path}: 'iteration' is {k}; a restart file's iteration is >= 0")
+    state["iteration"] = int(k)
+    return state
+
+
+def _names(keys: list[str], at_most: int = 5) -> str:
+    more = f" and {len(keys) - at_most} more" if len(keys) > at_most else ""
+    return ", ".join(keys[:at_most]) + more
+
+
+def _model_mismatch(model: torch.nn.Module, sd: Mapping[str, Any]) -> str | None:
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [str(k) for k in sd if k not in own]
+    parts = []
+    if missing:
+        parts.append(f"missing {_names(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {_names(unexpected)}")
+    shapes = []
+    for k, v in own.items():
+        if k in sd:
+            w = sd[k]
+            if not isinstance(w, torch.Tensor):
+                shapes.append(f"{k} is a {type(w).__name__}")
+            elif tuple(w.shape) != tuple(v.shape):
+                shapes.append(f"{k} {tuple(w.shape)} in the restart, {tuple(v.shape)} in the "
+                              "model")
+    if shapes:
+        parts.append("shape " + _names(shapes, 3))
+    return "; ".join(parts) if parts else None
+
+
+_PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                 "acc_delta", "sum")
+
+
+def _optimizer_mismatch(optimizer: Any, own: Mapping, got: Any, where: str = "") -> str | None:
+    """What does not fit between an optimizer's own state dict and a restart's; None if
+    nothing visible. Standard ``torch.optim`` layouts are compared group by group (and the
+    per-parameter moment buffers by shape); other layouts by their keys."""
+    at = f" ({where[:-1]})" if where else ""
+    if not isinstance(got, Mapping):
+        return f"the optimizer state{at} is a {type(got).__name__}, not a dict"
+    if "param_groups" in own:
+        groups, st = got.get("param_groups"), got.get("state")
+        if not isinstance(groups, list) or not isinstance(st, Mapping):
+            return f"the optimizer state{at} has no 'param_groups' list and 'state' dict"
+        if len(groups) != len(own["param_groups"]):
+            return (f"the optimizer state{at} has {len(groups)} parameter group(s), the "
+                    f"optimizer {len(own['param_groups'])}")
+        ids: list[Any] = []
+        for i, (g, o) in enumerate(zip(groups, own["param_groups"], strict=True)):
+            if not isinstance(g, Mapping) or not isinstance(g.get("params"), list):
+                return f"parameter group {i} of the optimizer state{at} has no 'params' list"
+            if len(g["params"]) != len(o["params"]):
+                return (f"parameter group {i} of the optimizer state{at} holds "
+                        f"{len(g['params'])} parameters, the optimizer {len(o['params'])}")
+            ids.extend(g["params"])
+        if not where and hasattr(optimizer, "param_groups"):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if len(params) == len(ids):
+                for pid, p in zip(ids, params, strict=True):
+                    entry = st.get(pid)
+                    if not isinstance(entry, Mapping):
+                        continue
+                    for k in _PARAM_SHAPED:
+                        v = entry.get(k)
+                        if isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(p.shape):
+                            return (f"the optimizer's {k} of parameter {pid} has shape "
+                                    f"{tuple(v.shape)}, the parameter {tuple(p.shape)}")
+        return None
+    missing = [str(k) for k in own if k not in got]
+    if missing:
+        return f"the optimizer state{at} has no {_names(missing)}"
+    for k, v in own.items():
+        if isinstance(v, Mapping):
+            r = _optimizer_mismatch(optimizer, v, got[k], f"{where}{k}.")
+            if r:
+                return r
+    return None
+
+
+def _restore(path: str, state: dict[str, Any], problem: Problem, ctx: Context, model,
+             optimizer, scheduler, problem_path: str, sha: str) -> None:
+    """Check a restart file's contents against the run and load them. Everything is checked
+    before anything is loaded; one-line :class:`RestartError` naming what does not match
+    (and the problem file's recorded hash when it differs). Warns (one line) when the
+    problem file changed but the restart still fits."""
+    recorded = state.get("problem_sha256")
+    changed = isinstance(recorded, str) and recorded != sha
+    note = (f" (restart.pt was written for a problem file with sha256 {recorded}; "
+            f"{problem_path} has {sha})") if changed else ""
+
+    def fail(what: str) -> RestartError:
+        return RestartError(f"{path} does not match this run: {what}{note}")
+
+    why = _model_mismatch(model, state["model"])
+    if why:
+        raise fail(f"the model state has {why}")
+    why = _optimizer_mismatch(optimizer, optimizer.state_dict(), state["optimizer"])
+    if why:
+        raise fail(why)
+    try:
+        _check_rng_state(state["rng"])
+    except Exception as e:
+        raise fail(f"the RNG state does not fit ({type(e).__name__}: "
+                   f"{' '.join(str(e).split())[:200]})") from None
+    steps = (("the problem state", lambda: problem.load_state_dict(ctx, state.get("problem")
+                                                                   or {})),
+             ("the model state", lambda: model.load_state_dict(state["model"])),
+             ("the optimizer state", lambda: optimizer.load_state_dict(state["optimizer"])),
+             ("the scheduler state", lambda: scheduler.load_state_dict(state["scheduler"])
+              if scheduler is not None and state.get("scheduler") else None),
+             ("the RNG state", lambda: _set_rng_state(ctx, state["rng"])))
+    for what, load in steps:
+        try:
+            load()
+        except Exception as e:
+            raise fail(f"{what} does not load ({type(e).__name__}: "
+                       f"{' '.join(str(e).split())[:200]})") from None
+    if changed:
+        _note(f"warning: {problem_path} has changed since {path} was written (recorded "
+              f"sha256 {recorded}, now {sha}); resuming with the changed file")
+
+
+def _note(msg: str) -> None:
+    """One line on stderr (the trainer's notes and warnings)."""
+    print(f"deepsolve train: {msg}", file=sys.stderr, flush=True)
 
 
 class _Preemption:
@@ -251,7 +459,7 @@ class _NoLog:
     def append(self, row):
         pass
 
-    def flush(self):
+    def flush(self, sync: bool = False):
         pass
 
     def close(self):
@@ -261,46 +469,278 @@ class _NoLog:
         return 0
 
 
+_UNSUPPORTED_LOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF, errno.EINVAL, errno.ENOSYS}
+
+
+class RunDirBusy(ValueError):
+    """Another trainer writes the run directory."""
+
+
+class _RunLock:
+    """One writer per run directory: an exclusive ``flock`` on the directory itself (on a
+    lock file ``.deepsolve.lock`` inside it where a filesystem cannot lock directories). The
+    kernel releases it when the process ends, however it ends, so a killed trainer leaves
+    no lock behind. ``locking=False`` (``--no-file-locking``): where the filesystem supports
+    no locks at all, run without one."""
+
+    LOCK_FILE = ".deepsolve.lock"
+
+    def __init__(self, run_dir: str, locking: bool | None):
+        self.run_dir = run_dir
+        self.fd: int | None = None
+        self.held = False
+        err: OSError | None = None
+        for path, flags in ((run_dir, os.O_RDONLY | os.O_DIRECTORY),
+                            (os.path.join(run_dir, self.LOCK_FILE), os.O_RDWR | os.O_CREAT)):
+            fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _lock_holder(fd)
+                os.close(fd)
+                raise RunDirBusy(
+                    f"{run_dir}: another trainer{holder} is writing this run directory; wait "
+                    "for it to end, or give another --out") from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in _UNSUPPORTED_LOCK:
+                    raise
+                err = e
+                continue
+            self.fd, self.held = fd, True
+            return
+        if locking is False:
+            return
+        why = err.strerror if err is not None and err.strerror else "not supported"
+        raise ValueError(f"{run_dir}: cannot lock the run directory ({why}); the filesystem "
+                         "does not support locks: retry with --no-file-locking (and make sure "
+                         "no other trainer writes it)")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+            self.held = False
+
+
+def _lock_holder(fd: int) -> str:
+    """`` (pid N)`` of the process holding a flock on ``fd``'s file, from /proc/locks."""
+    try:
+        st = os.fstat(fd)
+        want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == want:
+                    return f" (pid {parts[4]})"
+    except (OSError, ValueError):
+        pass
+    return ""
+
+
+_TMP = re.compile(r"^(?:restart\.pt|log\.h5)\.tmp-(\d+)$|^log\.h5\.recover\.tmp$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def remove_stale_temporaries(run_dir: str, *, all_of_them: bool = False) -> list[str]:
+    """Remove the temporary files a killed or failed trainer left in ``run_dir``
+    (``restart.pt.tmp-<pid>``, ``log.h5.tmp-<pid>``): those of dead processes, or all of them
+    when the caller holds the run directory's lock (``all_of_them``). Returns their names."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return removed
+    for name in names:
+        m = _TMP.match(name)
+        if m is None:
+            continue
+        pid = int(m.group(1)) if m.group(1) else None
+        if all_of_them or pid is None or pid == os.getpid() or not _pid_alive(pid):
+            path = os.path.join(run_dir, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                _remove_quietly(path)
+                removed.append(name)
+    return removed
+
+
+@dataclass
+class _RunState:
+    """How a run starts, as decided from what its directory holds."""
+
+    start: int = 0                      # first iteration to train
+    restart: dict[str, Any] | None = None
+    resume_log: bool = False            # continue the existing log (else a new one)
+
+
+def _inspect_run_dir(run_dir: str, log_path: str, restart_path: str, resume: bool,
+                     iterations: int) -> _RunState:
+    """Decide how to start from what the directory holds; one-line errors. Nothing is
+    changed here: the restart file's fields and the log's rows are checked first.
+
+    * no restart file: the run starts at iteration 0, with or without ``--resume``; a log
+      without a restart file (a run stopped before its first one) cannot be continued and is
+      replaced by the new run's log, with a note saying so;
+    * a restart file and no ``--resume``: refused (``--resume`` continues it);
+    * ``--resume`` with a restart file at iteration k: the log must hold iterations 0..k-1;
+      its rows after them are dropped (they are re-run).
+    """
+    from .io import LogError, log_iterations
+
+    has_restart = os.path.lexists(restart_path)
+    try:
+        rows = log_iterations(log_path)
+        log_err = None
+    except LogError as e:
+        rows, log_err = None, e
+    if not has_restart:
+        if log_err is not None:
+            raise ValueError(f"{log_err}; there is no restart file either, so nothing in "
+                             f"{run_dir} can be continued: move log.h5 away, or give another "
+                             "--out")
+        n = 0 if rows is None else len(rows)
+        if resume:
+            _note(f"--resume: {run_dir} holds no restart file (the run stopped before its "
+                  f"first one): starting from iteration 0"
+                  + (f"; the log's {n} rows are replaced" if n else ""))
+        elif n:
+            _note(f"{log_path} holds {n} rows but no restart file (the run stopped before "
+                  "its first one): starting the run over; the new log replaces it")
+        return _RunState()
+    if not resume:
+        raise ValueError(f"{run_dir} already holds a run (restart.pt); continue it with "
+                         "--resume or give a new --out directory")
+    state = load_restart(restart_path)
+    k = state["iteration"]
+    if k > iterations:
+        raise RestartError(f"{restart_path} is at iteration {k}, past iterations={iterations}: "
+                           f"nothing to train; give --iterations {k} or more to continue the "
+                           "run")
+    if k > 0:
+        if log_err is not None:
+            raise RestartError(f"{log_err}; the restart file (iteration {k}) needs the log's "
+                               f"rows 0..{k - 1}")
+        have = np.zeros(0, np.int64) if rows is None else rows
+        if len(have) < k or not np.array_equal(have[:k], np.arange(k)):
+            what = "no log" if rows is None else "no rows" if not len(have) else \
+                f"{len(have)} rows (iterations {int(have[0])}..{int(have[-1])})"
+            raise RestartError(
+                f"{restart_path} is at iteration {k} but {log_path} has {what}, not "
+                f"iterations 0..{k - 1}: the two do not belong together; move restart.pt away "
+                "to start the run over, or put back the log that goes with it")
+    return _RunState(start=k, restart=state, resume_log=rows is not None and len(rows) > 0)
+
+
 def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, quiet: bool,
            locking: bool | None) -> TrainResult:
+    from . import distributed as D
+    from .memory.offload import remove_stale_spill_dirs
+
+    main = dist.is_main
+    run_dir = out or os.path.join("runs", os.path.splitext(os.path.basename(problem_path))[0])
+    log_path = os.path.join(run_dir, "log.h5")
+    restart_path = os.path.join(run_dir, "restart.pt")
+    with _Preemption() as stop:   # from here on a SIGTERM stops the run cleanly
+        lock: _RunLock | None = None
+        created = False
+        err: Exception | None = None
+        run = _RunState()
+        if main:   # rank 0 alone writes, so it alone locks and checks the directory
+            try:
+                created = not os.path.isdir(run_dir)
+                try:
+                    os.makedirs(run_dir, exist_ok=True)
+                except OSError as e:
+                    raise ValueError(f"--out {run_dir}: cannot make the run directory "
+                                     f"({e.strerror or e})") from None
+                lock = _RunLock(run_dir, locking)
+                remove_stale_temporaries(run_dir, all_of_them=lock.held)
+                remove_stale_spill_dirs()
+                run = _inspect_run_dir(run_dir, log_path, restart_path, resume,
+                                       int(cfg["iterations"]))
+            except Exception as e:
+                err = e
+        failed = D.any_rank(dist, err is not None, torch.device(cfg["device"]))
+        if failed or err is not None:
+            if lock is not None:
+                lock.release()
+            if created:
+                _remove_empty_dir(run_dir)
+            if err is not None:
+                raise err
+            raise ValueError(f"rank 0 could not start the run in {run_dir} (see its message)")
+        if not main and resume and os.path.lexists(restart_path):
+            state = load_restart(restart_path)   # rank 0 has checked it against the log
+            run = _RunState(start=state["iteration"], restart=state)
+        try:
+            return _run(problem_path, cfg, dist, run, run_dir, log_path, restart_path, quiet,
+                        locking, stop, created)
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+def _remove_empty_dir(path: str) -> None:
+    """Remove a run directory this run made, if nothing (but its lock file) is in it."""
+    try:
+        names = os.listdir(path)
+        if names == [_RunLock.LOCK_FILE]:
+            os.remove(os.path.join(path, _RunLock.LOCK_FILE))
+            names = []
+        if not names:
+            os.rmdir(path)
+    except OSError:
+        pass
+
+
+def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_path: str,
+         restart_path: str, quiet: bool, locking: bool | None, stop: _Preemption,
+         created: bool) -> TrainResult:
+    """Build the problem, restore the restart file, open the log and train."""
     from . import distributed as D
     from .io import H5Log
     from .memory.meter import MemoryMeter
 
     main = dist.is_main
-    run_dir = out or os.path.join("runs", os.path.splitext(os.path.basename(problem_path))[0])
-    os.makedirs(run_dir, exist_ok=True)
-    log_path = os.path.join(run_dir, "log.h5")
-    restart_path = os.path.join(run_dir, "restart.pt")
-    if not resume and os.path.exists(log_path):
-        raise ValueError(f"{run_dir} already holds a run (log.h5); continue it with --resume "
-                         "or give a new --out directory")
-    D.barrier(dist)  # every rank has checked before rank 0 creates the log
-
-    problem, ctx, sha = build(problem_path, cfg, dist.rank, dist.world_size)
-    D.check_batch(dist, problem, ctx)
-    model = ctx.model
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ProblemError(f"{problem_path}: ctx.model has no trainable parameters")
-    optimizer = problem.optimizer(ctx, params)
-    scheduler = getattr(problem, "scheduler", lambda ctx, opt: None)(ctx, optimizer)
-    start = 0
-    if resume:
-        state = load_restart(restart_path)
-        problem.load_state_dict(ctx, state.get("problem") or {})  # may change the dtype
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state.get("scheduler"):
-            scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(ctx, state["rng"])
-        start = int(state["iteration"])
+    try:
+        problem, ctx, sha = build(problem_path, cfg, dist.rank, dist.world_size)
+        D.check_batch(dist, problem, ctx)
+        model = ctx.model
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ProblemError(f"{problem_path}: ctx.model has no trainable parameters")
+        optimizer = problem.optimizer(ctx, params)
+        scheduler = getattr(problem, "scheduler", lambda ctx, opt: None)(ctx, optimizer)
+        start = run.start
+        if run.restart is not None:
+            _restore(restart_path, run.restart, problem, ctx, model, optimizer, scheduler,
+                     problem_path, sha)
+            run.restart = None
+    except BaseException:
+        if created and main:
+            _remove_empty_dir(run_dir)
+        raise
     D.broadcast_model(dist, model)
 
     attrs = dict(_attrs(problem_path, sha, cfg, ctx.device), world_size=dist.world_size)
-    log = H5Log(log_path, attrs=attrs, resume=resume, locking=locking) if main else _NoLog()
-    if resume:
-        log.truncate_after(start - 1)
+    if main:   # the restart file and the log's rows have been checked: now the log changes
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            log = H5Log(log_path, attrs=attrs, resume=run.resume_log, keep_through=start - 1,
+                        locking=locking)
+        for w in caught:
+            _note(" ".join(str(w.message).split()))
+    else:
+        log = _NoLog()
     weights = problem.weights(ctx)
     iterations = int(cfg["iterations"])
     eval_every = int(cfg["eval_every"])
@@ -309,14 +749,28 @@ def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, qu
     track = ctx.device.type == "cpu" and bool(cfg["budget"])
     memory_every = max(int(cfg.get("memory_every", 1)), 1)
     closure_opt = isinstance(optimizer, torch.optim.LBFGS)
-    with torch.no_grad():  # the metric names fix the log's columns; also a baseline
-        baseline = {k: float(v) for k, v in (problem.evaluate(ctx) or {}).items()}
-    bar = _progress(iterations, start, quiet or not main)
+
+    def checkpoint(k: int) -> None:
+        """The log's rows up to iteration k-1 reach the disk before the restart file at k is
+        published, so a kill between the two leaves rows that resume drops, never a gap."""
+        log.flush(sync=True)
+        save_restart(restart_path, iteration=k, model=model, optimizer=optimizer,
+                     scheduler=scheduler, ctx=ctx, cfg=cfg, sha=sha,
+                     problem_state=problem.state_dict(ctx))
+
+    bar = None
     last_loss = math.nan
     preempted = False
     it = start
-    with _Preemption() as stop:
-        try:
+    try:
+        with torch.no_grad():  # the metric names fix the log's columns; also a baseline
+            baseline = {k: float(v) for k, v in (problem.evaluate(ctx) or {}).items()}
+        if D.any_rank(dist, stop.signal is not None, ctx.device):   # a signal during setup
+            if main:
+                checkpoint(start)
+            preempted = True
+        else:
+            bar = _progress(iterations, start, quiet or not main)
             for it in range(start, iterations):
                 D.broadcast_buffers(dist, model)
                 row, last_loss = _iteration(problem, ctx, model, params, optimizer, scheduler,
@@ -342,20 +796,17 @@ def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, qu
                                              "lower the learning rate (--set lr=...)")
                 stopping = D.any_rank(dist, stop.signal is not None, ctx.device)
                 if main and (stopping or (it + 1) % ckpt_every == 0 or last):
-                    save_restart(restart_path, iteration=it + 1, model=model,
-                                 optimizer=optimizer, scheduler=scheduler, ctx=ctx, cfg=cfg,
-                                 sha=sha, problem_state=problem.state_dict(ctx))
-                    log.flush()
+                    checkpoint(it + 1)
                 if stopping:
                     preempted = True
                     it += 1
                     break
             else:
                 it = iterations
-        finally:
-            log.close()
-            if bar is not None:
-                bar.close()
+    finally:
+        log.close()
+        if bar is not None:
+            bar.close()
     return TrainResult(run_dir, log_path, restart_path, it, last_loss, preempted, dist.rank)
 
 

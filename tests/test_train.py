@@ -99,36 +99,68 @@ def test_budget_run_keeps_its_memory_in_the_log(tmp_path):
     assert np.all(peak <= budget)
 
 
-def _spawn(out, *extra):
+GATED = os.path.join(HERE, "data", "gated_problem.py")
+
+
+def _spawn_gated(out, gate, gate_at, *extra):
+    """A trainer on the gated problem: iteration ``gate_at`` writes ``gate.waiting`` and
+    waits for ``gate`` to exist."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.Popen(
-        [sys.executable, "-m", "deepsolve", "train", TINY, "--out", str(out), "--quiet",
-         "--iterations", "30", "--set", "sleep=0.15", "--set", "checkpoint_every=100", *extra],
+        [sys.executable, "-m", "deepsolve", "train", GATED, "--out", str(out), "--quiet",
+         "--iterations", "30", "--set", f"gate={gate}", "--set", f"gate_at={gate_at}", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _wait_for(path, proc, timeout=120.0):
+    """Wait until ``path`` exists (the trainer's readiness signal); fail if it ends first."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the trainer ended (rc {proc.returncode}) before {path}: {err}")
+        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.02)
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=60)
+
+
 def test_sigterm_then_resume_gives_a_complete_log(tmp_path):
-    out = tmp_path / "run"
-    proc = _spawn(out)
-    log_path = out / "log.h5"
-    deadline = time.time() + 60
-    while time.time() < deadline and not log_path.exists():
-        time.sleep(0.1)
-    time.sleep(1.0)  # a few iterations in
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    """SIGTERM while iteration 7 runs (the trainer waits at its gate, so its handler is
+    installed and it cannot have finished): it completes iteration 7, writes the restart file
+    at 8 and exits with 75; --resume completes the run with the losses of an uninterrupted
+    one."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    proc = _spawn_gated(out, gate, 7, "--set", "checkpoint_every=100")
+    try:
+        _wait_for(f"{gate}.waiting", proc)
+        proc.send_signal(signal.SIGTERM)
+        gate.touch()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _stop(proc)
     assert proc.returncode == 75, err
-    assert "continue with --resume" in err
-    first = read_log(log_path)
-    done = first.n_rows
-    assert 0 < done < 30
+    assert "stopped by a signal after iteration 7" in err
+    log_path = out / "log.h5"
+    np.testing.assert_array_equal(read_log(log_path).columns["iteration"], np.arange(8))
+    import torch
+
+    assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 8
     env = dict(os.environ, PYTHONPATH=ROOT)
-    res = subprocess.run([sys.executable, "-m", "deepsolve", "train", TINY, "--out", str(out),
+    res = subprocess.run([sys.executable, "-m", "deepsolve", "train", GATED, "--out", str(out),
                           "--quiet", "--iterations", "30", "--set", "checkpoint_every=100",
                           "--resume"], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     log = read_log(log_path)
     np.testing.assert_array_equal(log.columns["iteration"], np.arange(30))
+    assert run_cli("train", GATED, "--out", tmp_path / "ref", "--iterations", 30, "--quiet",
+                   "--set", "checkpoint_every=100") == 0
+    ref = read_log(tmp_path / "ref")
+    np.testing.assert_allclose(log.columns["loss"], ref.columns["loss"], rtol=1e-6)
 
 
 def test_resume_drops_rows_after_the_restart_file(tmp_path):
@@ -175,23 +207,23 @@ def test_plan_command_for_a_problem(capsys):
 
 
 def test_log_is_readable_while_training(tmp_path):
-    """SWMR: a reader opens the log while the trainer is still writing it."""
-    out = tmp_path / "run"
-    proc = _spawn(out, "--set", "checkpoint_every=2")
+    """SWMR: a reader opens the log while the trainer is still writing it (the trainer waits
+    at its gate in iteration 5: the restart file at 4 has flushed rows 0..3)."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    proc = _spawn_gated(out, gate, 5, "--set", "checkpoint_every=2")
     log_path = out / "log.h5"
     try:
-        deadline = time.time() + 60
-        rows = 0
-        while time.time() < deadline and rows < 2:
-            time.sleep(0.3)
-            if log_path.exists():
-                try:
-                    with h5py.File(log_path, "r", swmr=True, libver="latest") as f:
-                        rows = f["iteration"].shape[0]
-                except (OSError, KeyError):
-                    rows = 0
-        assert rows >= 2
+        _wait_for(f"{gate}.waiting", proc)
+        with h5py.File(log_path, "r", swmr=True, libver="latest") as f:
+            rows = f["iteration"].shape[0]
+            assert list(f["iteration"][:4]) == [0, 1, 2, 3]
+        assert rows >= 4
+        log = read_log(log_path)
+        assert log.n_rows >= 4 and all(len(c) == log.n_rows for c in log.columns.values())
         assert proc.poll() is None  # still training
+        gate.touch()
+        _, err = proc.communicate(timeout=120)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=60)
+        _stop(proc)
+    assert proc.returncode == 0, err
+    np.testing.assert_array_equal(read_log(log_path).columns["iteration"], np.arange(30))

@@ -5,16 +5,19 @@ from .h5log import (
     INT_MISSING,
     SCHEMA_VERSION,
     UNITS,
+    EmptyLogError,
     H5Log,
     LogData,
     LogError,
     column_to_dataset,
+    log_iterations,
     read_log,
     to_pandas,
 )
-from .report import plot_log, report, summarize
+from .report import ReportError, plot_log, report, summarize
 
 __all__ = [
-    "H5Log", "LogData", "LogError", "read_log", "to_pandas", "column_to_dataset",
-    "SCHEMA_VERSION", "INT_MISSING", "UNITS", "report", "summarize", "plot_log",
+    "H5Log", "LogData", "LogError", "EmptyLogError", "read_log", "log_iterations", "to_pandas",
+    "column_to_dataset", "SCHEMA_VERSION", "INT_MISSING", "UNITS", "report", "summarize",
+    "plot_log", "ReportError",
 ]

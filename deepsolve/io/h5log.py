@@ -2,8 +2,12 @@
 
 Layout (``schema_version`` 1, see docs/h5-log.md):
 
-* one resizable, chunked 1-D dataset per column (``maxshape=(None,)``), all of the same length,
-  in creation order (the file is created with ``track_order=True``);
+* one resizable, chunked 1-D dataset per column (``maxshape=(None,)``), in creation order (the
+  file is created with ``track_order=True``), ``iteration`` first;
+* the length of ``iteration`` is the number of rows: the writer extends every other column
+  first, flushes, and extends ``iteration`` last, so a reader that trusts its length (and
+  stops at a negative value, the fill value of rows not yet written) reads a consistent
+  prefix of complete rows, even while the writer flushes or after it was killed mid-flush;
 * dtypes: ``int64`` for ``iteration`` and for every column whose first value is an ``int``,
   ``float64`` for other numbers, variable-length UTF-8 strings for ``str`` columns;
 * HDF5 link names cannot contain ``/``, so a column ``loss/pde`` is stored as the dataset
@@ -14,10 +18,17 @@ Layout (``schema_version`` 1, see docs/h5-log.md):
   of the attribute names stored as JSON) and the writer's ``attrs``: strings and numbers as
   they are, everything else (dicts, lists, None: ``config`` in particular) as JSON strings.
 
-Writing: :class:`H5Log` buffers rows and appends them one block per dataset. The datasets are
-created at the first flush and the file is then switched to SWMR mode (single writer, multiple
-readers): ``h5py.File(path, "r", swmr=True, libver="latest")`` sees every flushed row while
-training runs, and after the writer is killed (see docs/h5-log.md for what is guaranteed).
+Writing: :class:`H5Log` buffers rows and appends them one block per dataset. Every change of
+the file's structure (creating it, its first rows, resuming it) is made in a temporary file
+``<log>.tmp-<pid>`` that replaces the log with ``os.replace`` once complete, so the log's path
+never holds a half-made file. The file is in SWMR mode (single writer, multiple readers) from
+its first row on: ``h5py.File(path, "r", swmr=True, libver="latest")`` sees every flushed row
+while training runs, and after the writer is killed (see docs/h5-log.md).
+
+Reading: :func:`read_log` takes no HDF5 file locks (so no reader can make a writer fail),
+follows no links out of the file, refuses external-storage and virtual datasets and files that
+are not regular files, checks the schema version and every dataset's declared size against the
+file before reading it.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import json
 import math
 import os
 import re
+import stat as _stat
 import time
 import warnings
 from collections.abc import Mapping
@@ -40,8 +52,8 @@ import h5py
 import numpy as np
 
 __all__ = [
-    "H5Log", "LogData", "LogError", "read_log", "to_pandas", "SCHEMA_VERSION", "INT_MISSING",
-    "column_to_dataset", "UNITS",
+    "H5Log", "LogData", "LogError", "EmptyLogError", "read_log", "to_pandas",
+    "SCHEMA_VERSION", "INT_MISSING", "column_to_dataset", "UNITS", "log_iterations",
 ]
 
 SCHEMA_VERSION = 1
@@ -60,10 +72,18 @@ UNITS: dict[str, str] = {
 
 _CHUNK = 1024          # rows per HDF5 chunk (8 KiB for float64)
 _STR = h5py.string_dtype("utf-8")
+_MAX_COLUMNS = 100_000           # root members a reader looks at before refusing the file
+_SIZE_SLACK = 1 << 20            # bytes a dataset may declare beyond the file's size
+_READ_SLACK = 64 << 20           # bytes all columns together may declare beyond the file's size
 
 
 class LogError(ValueError):
     """A log cannot be read or written as asked; the message is one line and names the file."""
+
+
+class EmptyLogError(LogError):
+    """The file holds no row: it is empty (0 bytes), has no columns yet, or its writer stopped
+    before the log's first complete flush. A trainer treats such a log as absent."""
 
 
 def _one_line(text: object) -> str:
@@ -96,7 +116,7 @@ def _lock_error(path: Path, err: BaseException) -> LogError:
         f"probably does not support file locks: {hint}")
 
 
-_LOCK_WAIT = 5.0     # seconds to wait for another process's lock (a reader) to go away
+_LOCK_WAIT = 5.0     # seconds to wait for another process's lock to go away
 
 
 def _is_lock_error(err: BaseException) -> bool:
@@ -127,6 +147,47 @@ def _open(path: Path, mode: str, locking: bool | None, **kw: Any) -> h5py.File:
             raise _lock_error(path, e) from None
 
 
+def _reader_locking(locking: bool | None) -> bool:
+    """Readers take HDF5 file locks only when asked (``locking=True``): a reader's shared lock
+    would make a writer that opens the file fail, and the file's status flags already tell
+    a reader whether a writer has it open."""
+    return locking is True
+
+
+def _open_reader(path: Path, lock: bool, **kw: Any) -> h5py.File:
+    """Open read-only with the reader's locking flag. HDF5 refuses to open a file this
+    process already has open with another locking flag (an in-process writer): then the
+    file is opened as that handle has it."""
+    flags: list[bool | None] = [lock, None, not lock]
+    for i, flag in enumerate(flags):
+        try:
+            return _open(path, "r", flag, **kw)
+        except LogError as e:
+            if "flag values don't match" not in str(e) or i == len(flags) - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _check_file(path: Path) -> int:
+    """Size of ``path`` after checking it is a regular, non-empty file (no FIFO, device or
+    directory: opening those could hang or read without end)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise LogError(f"{path}: no such log file") from None
+    except OSError as e:
+        raise LogError(f"{path}: cannot read the log ({e.strerror or _one_line(e)})") from None
+    if not _stat.S_ISREG(st.st_mode):
+        what = "a directory" if _stat.S_ISDIR(st.st_mode) else \
+            "a FIFO" if _stat.S_ISFIFO(st.st_mode) else \
+            "a device" if _stat.S_ISCHR(st.st_mode) or _stat.S_ISBLK(st.st_mode) else \
+            "a socket" if _stat.S_ISSOCK(st.st_mode) else "not a regular file"
+        raise LogError(f"{path}: not a regular file ({what}); a log is a regular HDF5 file")
+    if st.st_size == 0:
+        raise EmptyLogError(f"{path}: empty file (0 bytes): no row was ever written")
+    return int(st.st_size)
+
+
 def _superblock_eof(path: Path) -> int | None:
     """End-of-file address stored in the superblock at offset 0 (None if not found)."""
     try:
@@ -150,13 +211,15 @@ def _superblock_eof(path: Path) -> int | None:
     return base + eof
 
 
-def _open_for_reading(path: Path, locking: bool | None) -> h5py.File:
-    """Open a log read-only: a plain open (HDF5 checks the file), or, when the file is marked
-    open for writing (a live or killed SWMR writer), a SWMR open after checking the file is
-    not shorter than its superblock says (HDF5 skips that check for SWMR readers, and its
-    readers then retry reads of missing metadata for minutes)."""
+def _open_for_reading(path: Path, locking: bool | None) -> tuple[h5py.File, bool]:
+    """Open a log read-only; returns ``(file, live)``. ``live``: the file is marked open for
+    writing (a trainer writes it, or its writer was killed) and was opened in SWMR mode, after
+    checking the file is not shorter than its superblock says (HDF5 skips that check for SWMR
+    readers, and its readers then retry reads of missing metadata for minutes)."""
+    lock = _reader_locking(locking)
+    _check_file(path)
     try:
-        return _open(path, "r", locking)
+        return _open_reader(path, lock), False
     except LogError:
         raise
     except OSError as e:
@@ -171,15 +234,17 @@ def _open_for_reading(path: Path, locking: bool | None) -> h5py.File:
                            f"says {eof})")
         time.sleep(0.2)   # a live writer may be between extending and writing the file
     try:
-        return _open(path, "r", locking, swmr=True)
+        return _open_reader(path, lock, swmr=True), True
     except LogError:
         raise
     except OSError as e:
         if "not already open for SWMR writing" in str(e):
-            raise LogError(
+            # written by deepsolve < 0.2, whose writer switched to SWMR after creating the
+            # datasets in the log itself: no row can have been flushed yet
+            raise EmptyLogError(
                 f"{path}: the writer stopped before the log's first complete flush (file left "
-                f"marked open for writing); `h5clear -s {path}` (HDF5 tools) clears the mark"
-            ) from None
+                f"marked open for writing, no rows); `h5clear -s {path}` (HDF5 tools) clears "
+                f"the mark") from None
         raise LogError(f"{path}: not a readable HDF5 log ({_one_line(e)})") from None
 
 
@@ -290,16 +355,6 @@ def _decode_attrs(raw: Mapping[str, Any]) -> dict[str, Any]:
     return attrs
 
 
-def _write_attrs(f: h5py.File, attrs: Mapping[str, Any]) -> None:
-    enc, as_json = _encode_attrs(attrs)
-    old = f.attrs.get("json_attrs")
-    prev = set(json.loads(old)) if isinstance(old, str) else set()
-    prev -= set(enc)
-    for k, v in enc.items():
-        f.attrs[k] = v
-    f.attrs["json_attrs"] = json.dumps(sorted(prev | set(as_json)))
-
-
 # -------------------------------------------------------------------------------- reading
 
 
@@ -313,6 +368,7 @@ class LogData:
         attrs: file attributes, JSON attributes (``config``) decoded.
         n_rows: number of rows.
         path: the file read.
+        units: column name -> the ``units`` attribute of its dataset, where there is one.
     """
 
     columns: dict[str, np.ndarray]
@@ -322,17 +378,74 @@ class LogData:
     units: dict[str, str] = field(default_factory=dict)
 
 
-def _datasets(f: h5py.File) -> list[tuple[str, h5py.Dataset]]:
-    """(column name, dataset) of every 1-D dataset at the root, in creation order."""
+class _Torn(Exception):
+    """A live file changed under the reader in a way a consistent read cannot use: retry."""
+
+
+def _check_schema(f: h5py.File, p: Path) -> None:
+    sv = f.attrs.get("schema_version")
+    if sv is None:          # not written by deepsolve: read it as the current layout
+        return
+    if isinstance(sv, np.ndarray) and sv.shape in ((), (1,)):
+        sv = sv.reshape(()).item()
+    if isinstance(sv, np.generic):
+        sv = sv.item()
+    if isinstance(sv, bool) or not isinstance(sv, int) or not 1 <= sv <= SCHEMA_VERSION:
+        raise LogError(f"{p}: schema_version {_one_line(repr(sv))[:40]} is not a layout this "
+                       f"deepsolve reads (1..{SCHEMA_VERSION}); read it with the deepsolve "
+                       f"version that wrote it, or upgrade deepsolve")
+
+
+def _kind_of_dataset(d: h5py.Dataset) -> str | None:
+    """'i', 'f', 's' for the dtypes a log holds; None for anything else."""
+    if h5py.check_string_dtype(d.dtype) is not None:
+        return "s"
+    k = d.dtype.kind
+    if k in "iub":
+        return "i"
+    if k == "f":
+        return "f"
+    return None
+
+
+def _checked_members(f: h5py.File, p: Path) -> list[tuple[str, str, h5py.Dataset]]:
+    """``(dataset name, column name, dataset)`` of the root's 1-D datasets in creation order,
+    after refusing links out of the file, external-storage and virtual datasets and dtypes
+    a log does not hold. Groups and datasets of other ranks are skipped."""
+    n = len(f)
+    if n > _MAX_COLUMNS:
+        raise LogError(f"{p}: {n} members at the root, more than a log holds "
+                       f"({_MAX_COLUMNS} at most); not reading it")
     out = []
     for key in f:
+        link = f.get(key, getlink=True)
+        if not isinstance(link, h5py.HardLink):
+            kind = "an external link" if isinstance(link, h5py.ExternalLink) else "a soft link"
+            raise LogError(f"{p}: {key!r} is {kind}; a log holds only its own datasets "
+                           "(not following it)")
         obj = f.get(key)
-        if isinstance(obj, h5py.Dataset) and obj.ndim == 1:
-            col = obj.attrs.get("column", key)
-            if isinstance(col, bytes):
-                col = col.decode("utf-8", "replace")
-            out.append((str(col), obj))
+        if not isinstance(obj, h5py.Dataset) or obj.ndim != 1:
+            continue
+        if obj.is_virtual:
+            raise LogError(f"{p}: {key!r} is a virtual dataset (its data lives in other files); "
+                           "not reading it")
+        if obj.id.get_create_plist().get_external_count() > 0:
+            raise LogError(f"{p}: {key!r} keeps its data in external files; not reading it")
+        if _kind_of_dataset(obj) is None:
+            raise LogError(f"{p}: {key!r} has dtype {obj.dtype}, not one a log holds "
+                           "(int, float, string)")
+        col = obj.attrs.get("column", key)
+        if isinstance(col, bytes):
+            col = col.decode("utf-8", "replace")
+        out.append((key, str(col), obj))
     return out
+
+
+def _check_size(d: h5py.Dataset, key: str, p: Path, file_size: int) -> None:
+    declared = int(d.shape[0]) * max(int(d.dtype.itemsize), 1)
+    if declared > file_size + _SIZE_SLACK:
+        raise LogError(f"{p}: dataset {key!r} declares {d.shape[0]} rows ({declared} bytes), "
+                       f"more than the file's {file_size} bytes can hold: corrupt log")
 
 
 def _read_dataset(d: h5py.Dataset, n: int | None = None) -> np.ndarray:
@@ -343,6 +456,71 @@ def _read_dataset(d: h5py.Dataset, n: int | None = None) -> np.ndarray:
     return np.asarray(d[sl])
 
 
+def _row_count(its: np.ndarray) -> int:
+    """Rows of a consistent prefix: ``iteration`` up to its first negative value (the fill
+    value of rows whose data a live or killed writer had not written yet)."""
+    neg = np.flatnonzero(its < 0)
+    return int(neg[0]) if len(neg) else len(its)
+
+
+def _read_open(f: h5py.File, p: Path, live: bool,
+               n_max: int | None = None) -> tuple[dict[str, Any], list[tuple[str, str, str]],
+                                                  dict[str, np.ndarray], dict[str, str]]:
+    """Read an open log: ``(raw attrs, [(dataset, column, kind)], columns, units)``, the
+    columns cut to the consistent prefix (and to ``n_max`` rows when given)."""
+    _check_schema(f, p)
+    raw_attrs = {k: f.attrs[k] for k in f.attrs}
+    file_size = max(p.stat().st_size, 1)
+    members = _checked_members(f, p)
+    if not members:
+        raise EmptyLogError(f"{p}: no columns (no row was ever flushed)")
+    by_col = {c: (k, d) for k, c, d in members}
+    if "iteration" not in by_col:
+        raise LogError(f"{p}: no 'iteration' column (columns: "
+                       f"{', '.join(c for _, c, _ in members)[:300]})")
+    k_it, d_it = by_col["iteration"]
+    if _kind_of_dataset(d_it) != "i":
+        raise LogError(f"{p}: the 'iteration' column holds {d_it.dtype}, not integers")
+    # the iteration column first: its length is the row count the other columns must reach
+    _check_size(d_it, k_it, p, file_size)
+    its = _read_dataset(d_it)
+    n = _row_count(its)
+    if n_max is not None:
+        n = min(n, n_max)
+    budget = 2 * file_size + _READ_SLACK - n * 8
+    columns: dict[str, np.ndarray] = {"iteration": its[:n].astype(np.int64, copy=False)}
+    kinds = [(k_it, "iteration", "i")]
+    units: dict[str, str] = {}
+    short = {}
+    for key, col, d in members:
+        if col == "iteration":
+            continue
+        _check_size(d, key, p, file_size)
+        if d.shape[0] < n:
+            short[col] = d.shape[0]
+            continue
+        budget -= n * max(int(d.dtype.itemsize), 1)
+        if budget < 0:
+            raise LogError(f"{p}: its columns declare more data than the file's {file_size} "
+                           "bytes can hold: corrupt log")
+        columns[col] = _read_dataset(d, n)
+        kinds.append((key, col, _kind_of_dataset(d)))
+    if short:
+        if live:
+            raise _Torn()
+        detail = ", ".join(f"{c}: {m}" for c, m in list(short.items())[:10])
+        raise LogError(f"{p}: columns of different lengths (iteration: {n}, {detail})")
+    for _key, col, d in members:
+        u = d.attrs.get("units")
+        if u is not None:
+            units[col] = u.decode() if isinstance(u, bytes) else str(u)
+    # keep the creation order of the file (iteration is first in deepsolve's logs)
+    order = [c for _, c, _ in members if c in columns]
+    columns = {c: columns[c] for c in order}
+    kinds.sort(key=lambda t: order.index(t[1]))
+    return raw_attrs, kinds, columns, units
+
+
 def _resolve(path: str | os.PathLike) -> Path:
     p = Path(path)
     if p.is_dir():
@@ -350,46 +528,62 @@ def _resolve(path: str | os.PathLike) -> Path:
     return p
 
 
+def _read(p: Path, locking: bool | None, n_max: int | None = None):
+    """:func:`_read_open` with the opening, retries on a live file and one-line errors."""
+    attempts = 4
+    for attempt in range(attempts):
+        f, live = _open_for_reading(p, locking)
+        try:
+            with f:
+                return _read_open(f, p, live, n_max) + (live,)
+        except LogError:
+            raise
+        except _Torn:
+            pass
+        except (OSError, KeyError, RuntimeError, ValueError, TypeError) as e:
+            if not live or attempt == attempts - 1:
+                raise LogError(f"{p}: corrupt or truncated log ({_one_line(e)})") from None
+        if attempt == attempts - 1:
+            raise LogError(f"{p}: the columns kept changing while reading the live log; "
+                           "read it again")
+        time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def read_log(path: str | os.PathLike, *, locking: bool | None = None) -> LogData:
     """Read a whole log (``path`` or a run directory holding ``log.h5``).
 
-    Opens read-only; a log marked open for writing (a trainer is writing it, or its writer
-    was killed) is opened in SWMR mode and reads as of its last flush. ``locking``: as for
-    :class:`H5Log`.
+    Opens read-only and without HDF5 file locks (``locking=True`` takes them), so a reader
+    never makes a writer fail. A log marked open for writing (a trainer is writing it, or its
+    writer was killed) is opened in SWMR mode and reads as of its last complete flush: the
+    rows counted by the ``iteration`` column, a consistent prefix of complete rows.
 
     Raises:
-        LogError: (one line naming the file) missing file, not an HDF5 file, truncated or
-            corrupt file, no ``iteration`` column, columns of different lengths.
+        LogError: (one line naming the file) missing file, not a regular file, not an HDF5
+            file, a schema version this deepsolve does not read, truncated or corrupt file,
+            links out of the file, external-storage or virtual datasets, a dataset larger
+            than the file can hold, no ``iteration`` column, columns shorter than it.
+            :class:`EmptyLogError` (a ``LogError``) for a file without rows.
     """
     p = _resolve(path)
-    if not p.exists():
-        raise LogError(f"{p}: no such log file")
-    f = _open_for_reading(p, locking)
-    try:
-        with f:
-            attrs = _decode_attrs(f.attrs)
-            dsets = _datasets(f)
-            names = [c for c, _ in dsets]
-            if "iteration" not in names:
-                what = "no columns (no row was ever flushed)" if not dsets else \
-                    f"no 'iteration' column (columns: {', '.join(names)})"
-                raise LogError(f"{p}: {what}")
-            lengths = {c: d.shape[0] for c, d in dsets}
-            if len(set(lengths.values())) > 1:
-                detail = ", ".join(f"{c}: {n}" for c, n in lengths.items())
-                raise LogError(f"{p}: columns of different lengths ({detail})")
-            columns = {c: _read_dataset(d) for c, d in dsets}
-            units = {}
-            for c, d in dsets:
-                u = d.attrs.get("units")
-                if u is not None:
-                    units[c] = u.decode() if isinstance(u, bytes) else str(u)
-    except LogError:
-        raise
-    except (OSError, KeyError, RuntimeError, ValueError, TypeError) as e:
-        raise LogError(f"{p}: corrupt or truncated log ({_one_line(e)})") from None
+    raw_attrs, _, columns, units, _ = _read(p, locking)
+    attrs = _decode_attrs(raw_attrs)
     n = len(columns["iteration"])
     return LogData(columns=columns, attrs=attrs, n_rows=n, path=str(p), units=units)
+
+
+def log_iterations(path: str | os.PathLike, *, locking: bool | None = None) -> np.ndarray | None:
+    """The ``iteration`` column of the log at ``path`` (its consistent prefix); ``None`` when
+    there is no file, an empty array for a log without rows (:class:`EmptyLogError`).
+    Raises :class:`LogError` for a log that cannot be read."""
+    p = Path(path)
+    if not os.path.lexists(p):
+        return None
+    try:
+        _, _, columns, _, _ = _read(p, locking)
+    except EmptyLogError:
+        return np.zeros(0, dtype=np.int64)
+    return columns["iteration"]
 
 
 def to_pandas(path: str | os.PathLike, *, locking: bool | None = None):
@@ -408,20 +602,34 @@ def to_pandas(path: str | os.PathLike, *, locking: bool | None = None):
 # -------------------------------------------------------------------------------- writing
 
 
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f"{path.name}.tmp-{os.getpid()}")
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
+
+
 class H5Log:
     """Append-only training log, one row per iteration (see the module docstring).
 
     Args:
-        path: the ``.h5`` file. Without ``resume`` it is created (an existing file is
-            replaced) and closed again at once; the datasets are created at the first flush.
+        path: the ``.h5`` file. Without ``resume`` a new, empty log (attributes only)
+            replaces whatever is at ``path``; the datasets are made with the first rows.
         attrs: file attributes (strings and numbers as they are; dicts, lists, None as JSON
             strings: ``config`` is JSON). With ``resume`` they are added to / overwrite the
             existing ones.
-        resume: open an existing log for appending. A log whose writer was killed (left
-            marked open for SWMR writing) is recovered: its flushed rows are copied into a
-            fresh file that replaces it (a ``RuntimeWarning`` says so; ``recovered`` is True).
-        locking: HDF5 file locking; ``None`` follows ``HDF5_USE_FILE_LOCKING`` (``FALSE``:
-            off). ``False`` is needed on filesystems that refuse locks (Lustre, GPFS, NFS).
+        resume: continue an existing log: its rows (those with ``iteration <= keep_through``
+            when given) and attributes are copied into a fresh file that replaces it. A log
+            whose writer was killed (left marked open for SWMR writing) is recovered that way
+            (a ``RuntimeWarning`` says so; ``recovered`` is True). A log without rows (0
+            bytes, no columns) resumes as a new one.
+        keep_through: with ``resume``: keep only the rows up to this iteration (the restart
+            file's iteration - 1); ``None`` keeps them all.
+        locking: HDF5 file locking of the writer; ``None`` follows ``HDF5_USE_FILE_LOCKING``
+            (``FALSE``: off). ``False`` is needed on filesystems that refuse locks (Lustre,
+            GPFS, NFS).
         flush_seconds: flush automatically once this long has passed since the last flush
             (checked at each :meth:`append`).
         block_rows: flush automatically once this many rows are buffered.
@@ -431,12 +639,13 @@ class H5Log:
     unknown column raises :class:`LogError`; a missing column is written as NaN, ``-1`` for
     int64 columns, ``""`` for strings. ``iteration`` is required and strictly increasing.
 
-    Only one writer may use a log at a time.
+    Only one writer may use a log at a time (the trainer holds a lock on its run directory).
     """
 
     def __init__(self, path: str | os.PathLike, *, attrs: dict | None = None,
                  resume: bool = False, locking: bool | None = None,
-                 flush_seconds: float = 5.0, block_rows: int = 64) -> None:
+                 flush_seconds: float = 5.0, block_rows: int = 64,
+                 keep_through: int | None = None) -> None:
         if block_rows < 1:
             raise ValueError(f"block_rows must be >= 1, got {block_rows}")
         self.path = Path(path)
@@ -452,93 +661,60 @@ class H5Log:
         self._last_it = -1
         self._closed = False
         self._last_flush = time.monotonic()
+        self._raw_attrs: dict[str, Any] = {}      # what a new file gets
+        enc, as_json = _encode_attrs(attrs or {})  # fail on bad attributes before any file
         if resume:
-            self._resume(attrs or {})
+            self._resume(enc, as_json, keep_through)
         else:
-            self._create(attrs or {})
+            self._raw_attrs = {
+                "schema_version": SCHEMA_VERSION,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                **enc, "json_attrs": json.dumps(sorted(as_json))}
+            self._publish({})
 
     # ---------------------------------------------------------------- setup
 
-    def _create(self, attrs: Mapping[str, Any]) -> None:
-        _encode_attrs(attrs)  # fail on bad attributes before touching the file
-        try:
-            with _open(self.path, "w", self.locking, track_order=True) as f:
-                f.attrs["schema_version"] = SCHEMA_VERSION
-                f.attrs["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(
-                    timespec="seconds")
-                _write_attrs(f, attrs)
-        except OSError as e:
-            raise LogError(f"{self.path}: cannot create the log ({_one_line(e)})") from None
-
-    def _resume(self, attrs: Mapping[str, Any]) -> None:
-        if not self.path.exists():
-            raise LogError(f"{self.path}: no log to resume")
-        _encode_attrs(attrs)
-        try:
-            f = _open(self.path, "r+", self.locking)
-        except LogError:
-            raise
-        except OSError as e:
-            if not _is_dirty_flag_error(e):
-                raise LogError(f"{self.path}: cannot open the log to resume "
-                               f"({_one_line(e)})") from None
-            self._recover()
-            f = _open(self.path, "r+", self.locking)
-        try:
-            if attrs:
-                _write_attrs(f, attrs)
-            dsets = _datasets(f)
-        except Exception:
-            f.close()
-            raise
-        if not dsets:
-            f.close()                      # no rows yet: behave as a new log
-            return
-        names = [c for c, _ in dsets]
-        if "iteration" not in names:
-            f.close()
-            raise LogError(f"{self.path}: no 'iteration' column, cannot resume")
-        lengths = {d.shape[0] for _, d in dsets}
-        if len(lengths) > 1:
-            f.close()
-            raise LogError(f"{self.path}: columns of different lengths, cannot resume")
-        self._f = f
-        for c, d in dsets:
-            self._dsets[c] = d
-            self._kinds[c] = "s" if h5py.check_string_dtype(d.dtype) is not None else \
-                ("i" if d.dtype.kind in "iu" else "f")
-        self._n = lengths.pop()
-        self._last_it = int(self._dsets["iteration"][-1]) if self._n else -1
-        f.swmr_mode = True
-
-    def _recover(self) -> None:
-        """Copy the flushed rows of a log whose writer died into a fresh file replacing it."""
+    def _resume(self, enc: dict[str, Any], as_json: list[str], keep_through: int | None) -> None:
         p = self.path
+        if not os.path.lexists(p):
+            raise LogError(f"{p}: no log to resume")
+        raw: dict[str, Any] = {}
+        data: dict[str, np.ndarray] = {}
+        kinds: list[tuple[str, str, str]] = []
+        live = False
         try:
-            src = _open_for_reading(p, self.locking)
-        except LogError as e:
-            raise LogError(f"{e} (the log was not closed cleanly and cannot be recovered)") \
-                from None
-        tmp = p.with_name(p.name + ".recover.tmp")
-        with src:
-            dsets = _datasets(src)
-            n = min((d.shape[0] for _, d in dsets), default=0)
-            raw_attrs = dict(src.attrs)
-            with _open(tmp, "w", self.locking, track_order=True) as dst:
-                for k, v in raw_attrs.items():
-                    dst.attrs[k] = v
-                for col, d in dsets:
-                    data = _read_dataset(d, n)
-                    kind = "s" if h5py.check_string_dtype(d.dtype) is not None else \
-                        ("i" if d.dtype.kind in "iu" else "f")
-                    nd = self._create_dataset(dst, col, kind)
-                    if n:
-                        nd.resize((n,))
-                        nd[:] = data.astype(object) if kind == "s" else data
-        os.replace(tmp, p)
-        self.recovered = True
-        warnings.warn(f"{p} was not closed cleanly (writer killed?); recovered its {n} "
-                      f"flushed rows", RuntimeWarning, stacklevel=3)
+            raw, kinds, data, _, live = _read(p, self.locking)
+        except EmptyLogError:
+            with contextlib.suppress(LogError, OSError):   # keep the attributes if readable
+                f, _ = _open_for_reading(p, self.locking)
+                with f:
+                    _check_schema(f, p)
+                    raw = {k: f.attrs[k] for k in f.attrs}
+        if kinds:
+            its = data["iteration"]
+            bad = its > keep_through if keep_through is not None else np.zeros(len(its), bool)
+            bad[1:] |= its[1:] <= its[:-1]      # the strictly increasing prefix
+            keep = int(np.argmax(bad)) if bad.any() else len(its)
+            data = {c: a[:keep] for c, a in data.items()}
+            self._kinds = {c: k for _, c, k in kinds}
+        old_json = raw.get("json_attrs")
+        if isinstance(old_json, bytes):
+            old_json = old_json.decode("utf-8", "replace")
+        prev: set[str] = set()
+        if isinstance(old_json, str):
+            with contextlib.suppress(ValueError, TypeError):
+                prev = set(json.loads(old_json))
+        raw.update(enc)
+        raw.setdefault("schema_version", SCHEMA_VERSION)
+        raw.setdefault("created", _dt.datetime.now(_dt.timezone.utc).isoformat(
+            timespec="seconds"))
+        raw["json_attrs"] = json.dumps(sorted((prev - set(enc)) | set(as_json)))
+        self._raw_attrs = raw
+        self._publish(data)
+        if live:
+            self.recovered = True
+            warnings.warn(f"{p} was not closed cleanly (writer killed?); recovered its "
+                          f"{self._n} flushed rows", RuntimeWarning, stacklevel=3)
 
     @staticmethod
     def _create_dataset(f: h5py.File, col: str, kind: str) -> h5py.Dataset:
@@ -552,22 +728,44 @@ class H5Log:
             d.attrs["units"] = UNITS[col]
         return d
 
-    def _create_datasets(self) -> None:
-        """First flush of a log without datasets: create them all, then switch SWMR on."""
+    def _publish(self, data: Mapping[str, np.ndarray]) -> None:
+        """Write a complete file (attributes, and with ``self._kinds`` the datasets holding
+        ``data``) under a temporary name and rename it over the log. With columns, the file
+        stays open in SWMR mode for the appends that follow."""
+        tmp = _tmp_path(self.path)
+        f: h5py.File | None = None
         try:
-            f = _open(self.path, "r+", self.locking)
-        except LogError:
-            raise
-        except OSError as e:
-            raise LogError(f"{self.path}: cannot open the log ({_one_line(e)})") from None
-        try:
+            f = _open(tmp, "w", self.locking, track_order=True)
+            for k, v in self._raw_attrs.items():
+                f.attrs[k] = v
+            n = len(data["iteration"]) if self._kinds and "iteration" in data else 0
+            dsets = {}
             for col, kind in self._kinds.items():
-                self._dsets[col] = self._create_dataset(f, col, kind)
-        except Exception:
-            f.close()
+                d = dsets[col] = self._create_dataset(f, col, kind)
+                if n:
+                    d.resize((n,))
+                    a = data[col]
+                    d[:] = a.astype(object) if kind == "s" else a
+            if self._kinds:
+                f.swmr_mode = True               # flushes the file
+            else:
+                f.close()
+                f = None
+            os.replace(tmp, self.path)
+        except BaseException as e:
+            if f is not None:
+                with contextlib.suppress(Exception):
+                    f.close()
+            _remove(tmp)
+            if isinstance(e, LogError):
+                raise
+            if isinstance(e, (OSError, RuntimeError, ValueError)):
+                raise LogError(f"{self.path}: cannot write the log ({_one_line(e)})") from None
             raise
         self._f = f
-        f.swmr_mode = True
+        self._dsets = dsets
+        self._n = n
+        self._last_it = int(data["iteration"][-1]) if n else -1
 
     # ---------------------------------------------------------------- API
 
@@ -635,33 +833,54 @@ class H5Log:
                 time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
-    def flush(self) -> None:
-        """Write the buffered rows (one block per dataset) and flush the file to disk."""
+    def _block(self, col: str) -> np.ndarray:
+        kind = self._kinds[col]
+        fill = _FILL[kind]
+        arr = np.array([r.get(col, fill) for r in self._buf],
+                       dtype=object if kind == "s" else _DTYPE[kind])
+        assert arr.shape == (len(self._buf),)
+        return arr
+
+    def flush(self, sync: bool = False) -> None:
+        """Write the buffered rows (one block per dataset) and flush the file: every other
+        column first, ``iteration`` (the row count readers trust) last. ``sync``: also
+        ``fsync`` the file (the trainer does before it publishes a restart file)."""
         if self._closed:
             return
         if self._buf:
-            if self._f is None:
-                self._create_datasets()
-            rows, m = self._buf, len(self._buf)
-            n0, n1 = self._n, self._n + len(self._buf)
-            for col, d in self._dsets.items():
-                kind = self._kinds[col]
-                fill = _FILL[kind]
-                vals = [r.get(col, fill) for r in rows]
-                arr = np.array(vals, dtype=object if kind == "s" else _DTYPE[kind])
-                assert arr.shape == (m,)
-                d.resize((n1,))
-                d[n0:n1] = arr
-            self._n = n1
+            if self._f is None:                    # the first rows: a complete new file
+                data = {c: self._block(c) for c in self._kinds}
+                self._publish(data)
+            else:
+                n0, n1 = self._n, self._n + len(self._buf)
+                try:
+                    for col, d in self._dsets.items():
+                        if col != "iteration":
+                            d.resize((n1,))
+                            d[n0:n1] = self._block(col)
+                    self._f.flush()
+                    d = self._dsets["iteration"]
+                    d.resize((n1,))
+                    d[n0:n1] = self._block("iteration")
+                    self._f.flush()
+                except (OSError, RuntimeError) as e:
+                    raise LogError(f"{self.path}: cannot write the log ({_one_line(e)}); "
+                                   f"its first {self._n} rows are intact") from None
+                self._n = n1
             self._buf = []
-        if self._f is not None:
+        elif self._f is not None:
             self._f.flush()
+        if sync and self._f is not None:
+            with contextlib.suppress(OSError, RuntimeError, ValueError, TypeError):
+                os.fsync(self._f.id.get_vfd_handle())
         self._last_flush = time.monotonic()
 
     def truncate_after(self, iteration: int) -> int:
         """Drop the rows whose iteration is greater than ``iteration`` (buffered or written);
         returns how many were dropped. Use when resuming from a restart file written at
-        ``iteration``: the rows after it will be logged again."""
+        ``iteration`` (or open with ``H5Log(path, resume=True, keep_through=iteration)``,
+        which drops them in the copy). ``iteration`` shrinks first, so readers never see a
+        row whose columns are gone."""
         if self._closed:
             raise LogError(f"{self.path}: log is closed")
         k = int(iteration)
@@ -669,14 +888,16 @@ class H5Log:
         self._buf = [r for r in self._buf if r["iteration"] <= k]
         if self._f is not None and self._n:
             its = self._dsets["iteration"][: self._n]
-            # rows are strictly increasing by construction; keep the increasing prefix <= k
             bad = (its > k)
             bad[1:] |= its[1:] <= its[:-1]
             keep = int(np.argmax(bad)) if bad.any() else self._n
             if keep < self._n:
                 dropped += self._n - keep
-                for d in self._dsets.values():
-                    d.resize((keep,))
+                self._dsets["iteration"].resize((keep,))
+                self._f.flush()
+                for col, d in self._dsets.items():
+                    if col != "iteration":
+                        d.resize((keep,))
                 self._n = keep
                 self._f.flush()
         if self._buf:
@@ -696,7 +917,8 @@ class H5Log:
         finally:
             self._closed = True
             if self._f is not None:
-                self._f.close()
+                with contextlib.suppress(Exception):
+                    self._f.close()
                 self._f = None
 
     def __enter__(self) -> H5Log:
@@ -708,4 +930,3 @@ class H5Log:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"H5Log({str(self.path)!r}, rows={self.n_rows}, {state})"
-

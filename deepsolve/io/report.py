@@ -4,6 +4,11 @@ Only the ``iteration`` column is required; everything else follows the column co
 docs/h5-log.md when present (``loss``, ``loss/<term>``, ``metric/<name>``, ``time``,
 ``time_forward``, ``time_backward``, ``peak_device_memory``, ``peak_host_memory``,
 ``advances``, ``recorded``, ``schedule``, ``lr``, ``grad_norm``) and is skipped when absent.
+
+The work is bounded whatever the log holds: at most :data:`MAX_SERIES` loss terms and
+metrics are drawn per plot and :data:`MAX_TABLE_ROWS` listed per table (the report says how
+many were left out); the log itself is read by :func:`~deepsolve.io.read_log`, which checks
+it before reading (see docs/h5-log.md).
 """
 
 from __future__ import annotations
@@ -16,9 +21,19 @@ import numpy as np
 
 from .h5log import INT_MISSING, LogData, read_log
 
-__all__ = ["report", "summarize", "plot_log"]
+__all__ = ["report", "summarize", "plot_log", "ReportError", "MAX_SERIES", "MAX_TABLE_ROWS"]
 
 _MIB = 2.0**20
+
+MAX_SERIES = 20
+"""Most loss terms (and most metrics) drawn in one plot; the first ones in column order."""
+
+MAX_TABLE_ROWS = 50
+"""Most loss terms (and most metrics) listed in the summary."""
+
+
+class ReportError(ValueError):
+    """The report cannot be written where asked; the message is one line."""
 
 
 def _fmt(v: float) -> str:
@@ -102,24 +117,28 @@ def summarize(log: LogData) -> str:
 
     terms = _prefixed(log, "loss/")
     if terms:
-        w = max(len(t) for t in terms)
+        w = min(max(len(t) for t in terms[:MAX_TABLE_ROWS]), 60)
         lines.append("")
         lines.append(f"{'loss term':<{w}}  {'first':>12}  {'last':>12}")
-        for t in terms:
+        for t in terms[:MAX_TABLE_ROWS]:
             a = _numeric(log, t)
             f0, f1 = _first_finite(it, a), _last_finite(it, a)
             lines.append(f"{t:<{w}}  {_fmt(f0[0]) if f0 else 'nan':>12}  "
                          f"{_fmt(f1[0]) if f1 else 'nan':>12}")
+        if len(terms) > MAX_TABLE_ROWS:
+            lines.append(f"... ({len(terms) - MAX_TABLE_ROWS} more loss terms)")
 
     metrics = _prefixed(log, "metric/")
     if metrics:
-        w = max(len(m) for m in metrics)
+        w = min(max(len(m) for m in metrics[:MAX_TABLE_ROWS]), 60)
         lines.append("")
         lines.append(f"{'metric (last finite)':<{max(w, 20)}}  {'value':>12}  iteration")
-        for m in metrics:
+        for m in metrics[:MAX_TABLE_ROWS]:
             last = _last_finite(it, _numeric(log, m))
             val, at = (_fmt(last[0]), str(last[1])) if last else ("nan", "-")
             lines.append(f"{m:<{max(w, 20)}}  {val:>12}  {at}")
+        if len(metrics) > MAX_TABLE_ROWS:
+            lines.append(f"... ({len(metrics) - MAX_TABLE_ROWS} more metrics)")
 
     extra = []
     t = _numeric(log, "time")
@@ -220,22 +239,60 @@ def _has_data(series: list[tuple[str, np.ndarray, dict]]) -> bool:
     return any(_finite(y).any() for _, y, _ in series)
 
 
-def plot_log(log: LogData, out_dir: str | os.PathLike) -> list[Path]:
-    """Write loss.png, memory.png, time.png and metrics.png (each when it has data)."""
+def _out_dir(out_dir: str | os.PathLike, make: bool) -> Path:
+    """The directory for the plots: refuse a path that is not a directory; make it."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out}: not a directory; give a directory for the plots")
+    if make:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ReportError(f"--out {out}: cannot make the directory "
+                              f"({e.strerror or e})") from None
+    return out
+
+
+def _save(p: Path, *args: Any) -> None:
+    try:
+        _plot(p, *args)
+    except OSError as e:
+        raise ReportError(f"--out {p.parent}: cannot write {p.name} "
+                          f"({e.strerror or ' '.join(str(e).split())})") from None
+
+
+def plot_log(log: LogData, out_dir: str | os.PathLike) -> list[Path]:
+    """Write loss.png, memory.png, time.png and metrics.png (each when it has data). At most
+    :data:`MAX_SERIES` loss terms and metrics are drawn (the first ones in column order).
+
+    Raises:
+        ReportError: ``out_dir`` is not a directory or cannot be written.
+    """
+    return _plot_all(log, out_dir)[0]
+
+
+def _plot_all(log: LogData,
+              out_dir: str | os.PathLike) -> tuple[list[Path], dict[str, tuple[int, int]]]:
+    """:func:`plot_log`, and what it left out: plot file name -> (drawn, of how many)."""
+    out = _out_dir(out_dir, make=True)
     it = log.columns["iteration"]
     written: list[Path] = []
+    left_out: dict[str, tuple[int, int]] = {}
 
     loss = []
     a = _numeric(log, "loss")
     if a is not None:
         loss.append(("loss (total)", a, {"color": "black", "lw": 1.8}))
-    for t in _prefixed(log, "loss/"):
+    terms = _prefixed(log, "loss/")
+    for t in terms[:MAX_SERIES]:
         loss.append((t[len("loss/"):], _numeric(log, t), {"lw": 1.0}))
     if _has_data(loss):
         p = out / "loss.png"
-        _plot(p, it, loss, "loss", "training loss", _positive(loss))
+        title = "training loss"
+        if len(terms) > MAX_SERIES:
+            left_out[p.name] = (MAX_SERIES, len(terms))
+            title += f" (first {MAX_SERIES} of {len(terms)} terms)"
+        _save(p, it, loss, "loss", title, _positive(loss))
         written.append(p)
 
     mem = []
@@ -245,7 +302,7 @@ def plot_log(log: LogData, out_dir: str | os.PathLike) -> list[Path]:
             mem.append((label, a / _MIB, {}))
     if _has_data(mem):
         p = out / "memory.png"
-        _plot(p, it, mem, "MiB", "peak memory per iteration", False)
+        _save(p, it, mem, "MiB", "peak memory per iteration", False)
         written.append(p)
 
     times = []
@@ -256,16 +313,20 @@ def plot_log(log: LogData, out_dir: str | os.PathLike) -> list[Path]:
             times.append((label, a, {}))
     if _has_data(times):
         p = out / "time.png"
-        _plot(p, it, times, "seconds", "time per iteration", False)
+        _save(p, it, times, "seconds", "time per iteration", False)
         written.append(p)
 
-    metrics = [(m[len("metric/"):], _numeric(log, m), {})
-               for m in _prefixed(log, "metric/")]
+    names = _prefixed(log, "metric/")
+    metrics = [(m[len("metric/"):], _numeric(log, m), {}) for m in names[:MAX_SERIES]]
     if _has_data(metrics):
         p = out / "metrics.png"
-        _plot(p, it, metrics, "value", "metrics", _positive(metrics))
+        title = "metrics"
+        if len(names) > MAX_SERIES:
+            left_out[p.name] = (MAX_SERIES, len(names))
+            title += f" (first {MAX_SERIES} of {len(names)})"
+        _save(p, it, metrics, "value", title, _positive(metrics))
         written.append(p)
-    return written
+    return written, left_out
 
 
 def report(run_dir: str | os.PathLike, *, out_dir: str | os.PathLike | None = None,
@@ -278,16 +339,23 @@ def report(run_dir: str | os.PathLike, *, out_dir: str | os.PathLike | None = No
 
     Raises:
         LogError: (one line) the log is missing, truncated, corrupt or has no iterations.
+        ReportError: (one line) ``out_dir`` is not a directory or cannot be written.
     """
     rd = Path(run_dir)
     log_path = rd if rd.suffix in (".h5", ".hdf5") and not rd.is_dir() else rd / "log.h5"
-    log = read_log(log_path, locking=locking)
     target = Path(out_dir) if out_dir is not None else log_path.parent
-    files = plot_log(log, target)
+    if out_dir is not None:
+        _out_dir(target, make=False)          # fail before reading when it cannot work
+    log = read_log(log_path, locking=locking)
+    files, left_out = _plot_all(log, target)
     text = summarize(log)
     lines = [text, "", "plots"]
     if files:
-        lines.extend(f"  {p}" for p in files)
+        for p in files:
+            drawn = left_out.get(p.name)
+            what = "terms" if p.name == "loss.png" else "metrics"
+            lines.append(f"  {p}" + (f" (the first {drawn[0]} of {drawn[1]} {what})"
+                                      if drawn else ""))
     else:
         lines.append("  (none: the log has no plottable columns)")
     return "\n".join(lines)
