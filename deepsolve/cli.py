@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -43,9 +44,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if args.steps is None:
         raise ValueError("give a problem file, or --steps N (and --snapshots S)")
+    if args.png:
+        _check_output_file("--png", args.png)
     if args.schedule == "revolve":
         if args.snapshots is None:
-            raise SystemExit("deepsolve plan: revolve needs --snapshots S (S >= 1)")
+            raise ValueError("revolve needs --snapshots S (S >= 1), or choose --schedule "
+                             "periodic or store_all")
         sched = S.revolve(args.steps, args.snapshots)
     elif args.schedule == "periodic":
         sched = S.periodic(args.steps, args.every)
@@ -56,9 +60,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print()
         print(text_diagram(sched))
     if args.png:
-        png_diagram(sched, args.png)
+        try:
+            png_diagram(sched, args.png)
+        except ImportError:
+            raise ValueError("--png needs matplotlib (pip install matplotlib)") from None
+        except OSError as e:
+            raise ValueError(f"--png {args.png}: cannot write it ({e.strerror or e})") from None
         print(f"diagram written to {args.png}")
     return 0
+
+
+def _check_output_file(option: str, path: str) -> None:
+    """A one-line ``ValueError`` unless ``path`` can be a new or replaced file: not a
+    directory, in an existing directory."""
+    if os.path.isdir(path):
+        raise ValueError(f"{option} {path}: is a directory; give a file name, e.g. "
+                         f"{os.path.join(path, 'plan.png')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{option} {path}: the directory {parent} does not exist")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -244,6 +264,17 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, FloatingPointError, NotImplementedError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"deepsolve {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except OverflowError as e:  # e.g. --budget 1e400
+        print(f"deepsolve {args.command}: error: a value is out of range ({e})",
+              file=sys.stderr)
+        return 2
+    except OSError as e:  # a path that cannot be read or written
+        if e.filename is not None and e.strerror:
+            msg = f"{e.filename}: {e.strerror}"
+        else:
+            msg = (str(e).splitlines() or [type(e).__name__])[0]
         print(f"deepsolve {args.command}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -364,13 +364,23 @@ def submit(spec: SubmitSpec, *, dry_run: bool = False, sbatch: str | None = None
     """Write ``RUN_DIR/deepsolve.sbatch`` and submit it with ``sbatch`` (unless ``dry_run``
     or ``sbatch`` is not on PATH). Raises ``ValueError`` (one line) when sbatch fails."""
     text = sbatch_script(spec)
-    os.makedirs(spec.run_dir, exist_ok=True)
+    try:
+        os.makedirs(spec.run_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {spec.run_dir}: cannot make the run directory "
+                         f"({e.strerror or e})") from None
     path = os.path.join(spec.run_dir, SCRIPT_NAME)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ValueError(f"--out {spec.run_dir}: cannot write {SCRIPT_NAME} there "
+                         f"({e.strerror or e})") from None
     if dry_run:
         return SubmitResult(path, text, False, None, f"dry run: script written to {path}")
     exe = sbatch or shutil.which("sbatch")

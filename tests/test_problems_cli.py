@@ -41,3 +41,43 @@ def test_cli_trains_problem_file(name, tmp_path):
     assert np.all(log.columns["recorded"] > 0)  # the problem unrolled through ctx.unroll
     metrics = [c for c in log.columns if c.startswith("metric/")]
     assert metrics and np.isfinite(log.columns[metrics[0]][-1])  # evaluated at the end
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["plan", "--steps", "10", "--snapshots", "3", "--png", "{tmp}/no/such/dir/x.png"],
+     "does not exist"),
+    (["plan", "--steps", "10", "--snapshots", "3", "--png", "{tmp}"], "is a directory"),
+    (["plan", "--steps", "10", "--snapshots", "3", "--png", "/proc/deepsolve-x.png"],
+     "cannot write it"),
+    (["plan", "--steps", "10"], "revolve needs --snapshots"),
+    (["submit", os.path.join(ROOT, "tests", "data", "tiny_problem.py"), "--gpus-per-node",
+      "0", "--time", "01:00:00", "--dry-run", "--out", "/proc/deepsolve-run"],
+     "cannot make the run directory"),
+    (["submit", os.path.join(ROOT, "tests", "data", "tiny_problem.py"), "--gpus-per-node",
+      "0", "--time", "01:00:00", "--dry-run", "--out", "{tmp}/file/run"],
+     "cannot make the run directory"),
+    (["report", "{tmp}/no-run"], ""),
+])
+def test_bad_paths_and_arguments_are_one_line_errors(argv, match, tmp_path, capsys):
+    """A bad --png path, a run directory that cannot be made, a missing run: exit code 2 and
+    one line on stderr naming what is wrong (a traceback before)."""
+    (tmp_path / "file").write_text("not a directory")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"deepsolve {argv[0]}: error: ") and err.count("\n") == 1, err
+    assert match in err
+    assert not os.path.exists(f"{tmp_path}.png")  # matplotlib appends .png to a directory
+
+
+def test_an_oserror_anywhere_is_one_line(monkeypatch, capsys, tmp_path):
+    """main() turns an OSError from any command into one line with the file name."""
+    import deepsolve.cli as cli
+
+    def boom(args):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "x"))
+
+    monkeypatch.setattr(cli, "_cmd_report", boom)
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"deepsolve report: error: {tmp_path / 'x'}: Permission denied\n"
