@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from torch.utils.checkpoint import (
 
 from .schedules import Schedule
 from .schedules.actions import Advance, Free, Record, Restore, Reverse, Store
+from .schedules.check import ScheduleError
 
 __all__ = ["execute", "UnrollStats", "HostStorage", "POLICIES", "EXPENSIVE_OPS",
            "save_expensive", "policy_name", "policy_context", "check_snapshot_dtype",
@@ -116,8 +118,59 @@ def _unflatten(leaves: Sequence[torch.Tensor], spec: Any) -> Any:
     return leaves[0] if spec is None else pytree.tree_unflatten(list(leaves), spec)
 
 
+def _spec_str(spec: Any) -> str:
+    """A one-line description of a pytree structure."""
+    return " ".join(str(spec).split())
+
+
+def _codec(spec: Any) -> tuple[Callable[[Any], list | None], Callable[[list], Any]]:
+    """``(flatten, unflatten)`` for states of structure ``spec``.
+
+    ``flatten(obj)`` returns the leaves of ``obj`` in ``spec``'s order, or ``None`` when
+    ``obj`` does not have that structure; a dict is flattened by key, so a step that builds
+    its dict in another key order still gives each leaf its place. One-level dicts, tuples
+    and lists (the usual states) take a few list operations; other pytrees go through
+    ``torch.utils._pytree`` and a comparison of structures."""
+    if spec is None:
+        return (lambda obj: [obj]), (lambda leaves: leaves[0])
+    kids = spec.children()
+    flat = all(c.is_leaf() for c in kids)
+    n = len(kids)
+    if flat and spec.type is dict:
+        keys = tuple(spec.context)
+
+        def flatten_dict(obj: Any) -> list | None:
+            if type(obj) is not dict or len(obj) != n:
+                return None
+            try:
+                return [obj[k] for k in keys]
+            except KeyError:
+                return None
+
+        return flatten_dict, (lambda leaves: dict(zip(keys, leaves, strict=True)))
+    if flat and spec.type in (tuple, list):
+        kind = spec.type
+
+        def flatten_seq(obj: Any) -> list | None:
+            return list(obj) if type(obj) is kind and len(obj) == n else None
+
+        return flatten_seq, kind
+
+    def flatten_tree(obj: Any) -> list | None:
+        leaves, got = pytree.tree_flatten(obj)
+        return leaves if got == spec else None
+
+    return flatten_tree, (lambda leaves: pytree.tree_unflatten(list(leaves), spec))
+
+
 class _Step:
-    """Calls the user's step on flat leaves and checks what comes back."""
+    """Calls the user's step on flat leaves and checks what comes back.
+
+    The per-step check (:meth:`fast_check`: leaf count, shapes, dtypes, and the structure
+    through the flattening) runs after every step evaluation, first or recomputed; every
+    recorded step also checks devices (:meth:`check_leaves`) and its outputs
+    (:meth:`check_outputs`), so that a recomputed state with other metadata than the
+    forward sweep's raises instead of giving a wrong gradient."""
 
     def __init__(self, fn: Callable, spec: Any, proto: list[torch.Tensor],
                  has_output: bool | None):
@@ -126,28 +179,53 @@ class _Step:
         self.meta = [(t.shape, t.dtype, t.device) for t in proto]
         self.has_output = has_output
         self.out_spec: Any = None
+        self.out_meta: list[tuple] = []
         self.n_out = 0
+        self._flat, self._unflat = _codec(spec)
+        self._sd = [(t.shape, t.dtype) for t in proto]
+        self._single = len(proto) == 1
+        self._shape0, self._dtype0 = proto[0].shape, proto[0].dtype
 
     def __call__(self, leaves: list[torch.Tensor], i: int):
-        """Returns ``(next_leaves, output_leaves)`` without checks (the hot path)."""
-        spec = self.spec
-        res = self.fn(leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec), i)
+        """Returns ``(next_leaves, output_leaves)``: the hot path; the structure is checked
+        by the flattening, shapes and dtypes by :meth:`fast_check`."""
+        res = self.fn(self._unflat(leaves), i)
         if self.has_output:
             nxt, out = res
             out = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
         else:
             nxt, out = res, ()
-        return ([nxt] if spec is None else pytree.tree_leaves(nxt)), out
+        if self.spec is None:
+            return [nxt], out
+        flat = self._flat(nxt)
+        if flat is None:
+            self.check(nxt, i)  # raises, naming the structures
+        return flat, out
 
     def fast_check(self, leaves: list[torch.Tensor], i: int) -> None:
-        """Cheap per-step check of shapes and dtypes; the full check names what is wrong."""
-        for t, (shape, dtype, _) in zip(leaves, self.meta, strict=True):
-            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype:
-                self.check(_unflatten(leaves, self.spec), i)
+        """Per-step check of shapes and dtypes (a few hundred ns per leaf); on a mismatch the
+        full check names what is wrong."""
+        if self._single:
+            t = leaves[0]
+            try:
+                if t.dtype is self._dtype0 and t.shape == self._shape0:
+                    return
+            except AttributeError:  # not a tensor
+                pass
+            self.check_leaves(leaves, i)
+            return
+        for t, (shape, dtype) in zip(leaves, self._sd, strict=True):  # count fixed by _flat
+            try:
+                if t.dtype is dtype and t.shape == shape:
+                    continue
+            except AttributeError:
+                pass
+            self.check_leaves(leaves, i)
+            return
 
     def first(self, leaves: list[torch.Tensor], i: int):
         """The first call: decide whether the step returns outputs, and check structure."""
-        res = self.fn(_unflatten(leaves, self.spec), i)
+        res = self.fn(self._unflat(leaves), i)
         if self.has_output is None:
             self.has_output = not self._matches(res) and isinstance(res, tuple) and \
                 len(res) == 2 and self._matches(res[0])
@@ -162,6 +240,7 @@ class _Step:
                     raise TypeError(f"unroll: output leaf {k} of step {i} is a "
                                     f"{type(o).__name__}, not a tensor")
             self.n_out = len(out_leaves)
+            self.out_meta = [(o.shape, o.dtype, o.device) for o in out_leaves]
         else:
             nxt, out_leaves = res, []
         nxt_leaves = self.check(nxt, i)
@@ -171,21 +250,31 @@ class _Step:
         if self.spec is None:
             return isinstance(res, torch.Tensor)
         try:
-            return pytree.tree_structure(res) == self.spec
+            flat = self._flat(res)
         except Exception:  # pragma: no cover - exotic containers
             return False
+        return flat is not None and all(isinstance(t, torch.Tensor) for t in flat)
 
     def check(self, nxt: Any, i: int) -> list[torch.Tensor]:
+        """The full check of a returned state: structure, then :meth:`check_leaves`."""
         if self.spec is None:
             if not isinstance(nxt, torch.Tensor):
                 raise TypeError(f"unroll: step {i} returned a {type(nxt).__name__}; expected "
                                 "the next state (a tensor) or (next_state, output)")
             leaves = [nxt]
         else:
-            leaves, spec = pytree.tree_flatten(nxt)
-            if spec != self.spec:
-                raise TypeError(f"unroll: step {i} returned a state of structure {spec}, but "
-                                f"the state has structure {self.spec}")
+            leaves = self._flat(nxt)
+            if leaves is None:
+                try:
+                    got = _spec_str(pytree.tree_structure(nxt))
+                except Exception:  # pragma: no cover - exotic containers
+                    got = type(nxt).__name__
+                raise TypeError(f"unroll: step {i} returned a state of structure {got}, but "
+                                f"the state has structure {_spec_str(self.spec)}")
+        return self.check_leaves(leaves, i)
+
+    def check_leaves(self, leaves: list[torch.Tensor], i: int) -> list[torch.Tensor]:
+        """Every leaf a tensor of the forward sweep's shape, dtype and device."""
         for k, (t, (shape, dtype, device)) in enumerate(zip(leaves, self.meta, strict=True)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"unroll: step {i} returned a {type(t).__name__} for state "
@@ -194,9 +283,41 @@ class _Step:
                 raise ValueError(
                     f"unroll: step {i} changed state leaf {k} from {tuple(shape)} {dtype} on "
                     f"{device} to {tuple(t.shape)} {t.dtype} on {t.device}; a step must return "
-                    "a state of the same shape, dtype and device"
+                    "a state of the same shape, dtype and device at every call (recomputed "
+                    "steps included)"
                 )
         return leaves
+
+    def recorded_check(self, y: list[torch.Tensor], out: Sequence[torch.Tensor],
+                       i: int) -> None:
+        """The check of a recorded step: every state leaf's shape, dtype and device, and the
+        outputs' (the detailed checks name what is wrong)."""
+        for t, (shape, dtype, device) in zip(y, self.meta, strict=True):
+            try:
+                if t.dtype is dtype and t.shape == shape and t.device == device:
+                    continue
+            except AttributeError:
+                pass
+            self.check_leaves(y, i)
+        if out or self.n_out:
+            self.check_outputs(out, i)
+
+    def check_outputs(self, out: Sequence[torch.Tensor], i: int) -> None:
+        """The per-step outputs of a recorded step against those of step 0."""
+        if len(out) != self.n_out:
+            raise TypeError(f"unroll: step {i} returned {len(out)} output tensors, step 0 "
+                            f"returned {self.n_out}; a step must return the same outputs at "
+                            "every call")
+        for k, (o, (shape, dtype, device)) in enumerate(zip(out, self.out_meta, strict=True)):
+            if not isinstance(o, torch.Tensor):
+                raise TypeError(f"unroll: output leaf {k} of step {i} is a "
+                                f"{type(o).__name__}, not a tensor")
+            if o.shape != shape or o.dtype != dtype or o.device != device:
+                raise ValueError(
+                    f"unroll: step {i} changed output leaf {k} from {tuple(shape)} {dtype} on "
+                    f"{device} to {tuple(o.shape)} {o.dtype} on {o.device}; a step must return "
+                    "outputs of the same shape, dtype and device at every call"
+                )
 
 
 # ----------------------------------------------------------------------------------------
@@ -280,6 +401,212 @@ _SAFE_OUTER_NODES = frozenset({"ToCopyBackward0"})
 def _sequence_marker() -> int:
     with torch.enable_grad():
         return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"a {tuple(t.shape)} {t.dtype} tensor"
+
+
+def _unseen_leaf(y: Sequence[torch.Tensor], out: Sequence[torch.Tensor], known: set[int],
+                 x_in: Sequence[torch.Tensor], stop: dict, marker: int) -> str | None:
+    """What a recorded step's graph reaches that the unroll does not differentiate, or None.
+
+    Walks the graph behind the step's results ``y`` and outputs ``out`` (each node once,
+    stopping at ``stop`` nodes: explicit non-leaf ``params``) and returns a description of
+    the first leaf that requires grad and is neither an input ``x_in`` nor in ``known`` (ids
+    of the differentiated tensors), or of a node older than ``marker`` (a tensor computed
+    outside the step). The reverse sweep runs it on every step it records, so whether a
+    gradient is found does not depend on which steps the forward sweep happened to record;
+    it costs about half a microsecond per graph node (a recorded step's own autograd work
+    is several times that per node)."""
+    seen: set = set()
+    todo = []
+    for r in (*y, *out):
+        if r.requires_grad:
+            node = r.grad_fn
+            if node is not None:
+                todo.append(node)
+            elif id(r) not in known:
+                for t in x_in:
+                    if r is t:
+                        break
+                else:
+                    return _describe(r)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        nxt = node.next_functions
+        if nxt:
+            if stop and node in stop:
+                continue
+            if node._sequence_nr() < marker and node.name() not in _SAFE_OUTER_NODES:
+                return f"a tensor computed outside the step (graph node {node.name()})"
+            for f, _ in nxt:
+                if f is not None:
+                    todo.append(f)
+        else:
+            var = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+            if var is not None and id(var) not in known:
+                for t in x_in:
+                    if var is t:
+                        break
+                else:
+                    return _describe(var)
+    return None
+
+
+def _dependence(t: torch.Tensor, index: dict[int, int], marker: int) -> set[int] | None:
+    """The inputs ``x_in[j]`` (``index``: id -> j) that ``t`` depends on in its graph, or
+    ``None`` when it also reaches another tensor that requires grad (a parameter, a tensor
+    computed outside the step)."""
+    found: set[int] = set()
+    if not t.requires_grad:
+        return found
+    if t.grad_fn is None:
+        j = index.get(id(t))
+        return None if j is None else {j}
+    seen: set = set()
+    todo = [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        nxt = node.next_functions
+        if nxt:
+            if node._sequence_nr() < marker:
+                return None
+            todo.extend(f for f, _ in nxt if f is not None)
+        else:
+            var = getattr(node, "variable", None)
+            if var is not None:
+                j = index.get(id(var))
+                if j is None:
+                    return None
+                found.add(j)
+    return found
+
+
+def _constant_leaves(x_in: Sequence[torch.Tensor], y: Sequence[torch.Tensor],
+                     candidates: Sequence[int], marker: int) -> tuple[int, ...]:
+    """The largest set ``C`` of ``candidates`` such that each ``y[k]``, ``k`` in ``C``,
+    depends on nothing but ``x_in[j]``, ``j`` in ``C``: a fixed point of
+    ``C <- {k in C : deps(y[k]) <= C}``. If the leaves ``C`` of ``x_0`` do not require grad
+    and every step maps such states to such states, no leaf in ``C`` ever depends on
+    anything that requires grad (``x_i[C]`` are constants for autograd, as plain
+    backpropagation finds them).
+
+    The executor claims this from the first step it records and checks the claim at every
+    later recording (the reverse sweep records every step), raising when a step breaks it.
+    The claim is made only while some state leaf stays differentiable: otherwise a step
+    that reaches a parameter at other steps only (a control applied at the first steps)
+    would come back wholly constant and no reverse sweep would ever run to notice."""
+    index = {id(t): j for j, t in enumerate(x_in)}
+    deps: dict[int, set[int]] = {}
+    for k in candidates:
+        d = _dependence(y[k], index, marker)
+        if d is not None:
+            deps[k] = d
+    keep = set(deps)
+    changed = True
+    while changed:
+        changed = False
+        for k in list(keep):
+            if not deps[k] <= keep:
+                keep.discard(k)
+                changed = True
+    return tuple(sorted(keep))
+
+
+_SCAN_DEPTH = 4
+_SCAN_ITEMS = 1024
+
+
+def _closure_leaves(fn: Any) -> list[torch.Tensor]:
+    """Leaf tensors that require grad reachable from the step *function itself*: its closure
+    cells, the globals its code names, default arguments, a bound method's object, a
+    ``functools.partial``'s arguments, a callable object's attributes, containers of these
+    (up to ``_SCAN_DEPTH`` levels and ``_SCAN_ITEMS`` items each), and all parameters of any
+    ``nn.Module`` met on the way.
+
+    This makes parameter discovery independent of the schedule: a tensor used only at some
+    steps is found whether or not the forward sweep records one of them. Tensors found but
+    unused get no gradient (``None``), as in plain autograd."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(fn, 0)]
+    while todo:
+        obj, depth = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad and obj.grad_fn is None:
+                found[id(obj)] = obj
+            continue
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                if p.requires_grad:
+                    found[id(p)] = p
+            continue
+        if depth >= _SCAN_DEPTH or isinstance(obj, _SCAN_SKIP):
+            continue
+        kids: list = []
+        if isinstance(obj, types.FunctionType):
+            kids.extend(c.cell_contents for c in obj.__closure__ or () if _full(c))
+            glob = obj.__globals__
+            kids.extend(glob[name] for name in _code_names(obj.__code__) if name in glob)
+            kids.extend(obj.__defaults__ or ())
+            kids.extend((obj.__kwdefaults__ or {}).values())
+        elif isinstance(obj, types.MethodType):
+            kids.extend((obj.__self__, obj.__func__))
+        elif isinstance(obj, functools.partial):
+            kids.extend((obj.func, *obj.args, *obj.keywords.values()))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            if len(obj) <= _SCAN_ITEMS:
+                kids.extend(obj)
+        elif isinstance(obj, dict):
+            if len(obj) <= _SCAN_ITEMS:
+                kids.extend(obj.values())
+        else:
+            try:
+                attrs = vars(obj)
+            except TypeError:  # no __dict__ (slots, builtins)
+                attrs = None
+            if isinstance(attrs, dict) and len(attrs) <= _SCAN_ITEMS:
+                kids.extend(attrs.values())
+            for klass in type(obj).__mro__[:-1]:  # a callable object's own __call__
+                call = vars(klass).get("__call__")
+                if isinstance(call, types.FunctionType):
+                    kids.append(call)
+                    break
+        todo.extend((k, depth + 1) for k in kids)
+    return list(found.values())
+
+
+_SCAN_SKIP = (types.ModuleType, type, str, bytes, int, float, complex, bool, type(None),
+              types.BuiltinFunctionType, types.CodeType, torch.dtype, torch.device)
+
+
+def _full(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _code_names(code: types.CodeType) -> tuple[str, ...]:
+    """Global names a code object (and the functions, lambdas, comprehensions defined in it)
+    may read."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names.update(_code_names(c))
+    return tuple(sorted(names))
 
 
 # ----------------------------------------------------------------------------------------
@@ -583,13 +910,35 @@ class HostStorage:
         self.data.clear()
 
 
+class _Misfit(Exception):
+    """An action that does not fit the executor's state; :meth:`_Executor._run` turns it into
+    a :class:`ScheduleError` naming the action and its position in the stream."""
+
+
+def _holding(at: int) -> str:
+    return f"x_{at}" if at >= 0 else "no state (a Reverse leaves none; Restore a snapshot)"
+
+
 class _Executor:
-    """Runs one schedule: the forward sweep in ``forward``, the reverse sweep in ``backward``."""
+    """Runs one schedule: the forward sweep in ``forward``, the reverse sweep in ``backward``.
+
+    Every action is checked against the executor's state before it runs, as
+    :func:`deepsolve.schedules.check` does on symbolic states: the index ``at`` of the state
+    held (``-1``: none), the slots' contents, and the adjoint position ``adj`` (the adjoint
+    ``dL/dx_adj`` is held; it starts at ``n``). ``Advance(a, b)``/``Record(a, b)`` need
+    ``at == a`` and ``a < b <= n`` (``b <= adj`` for ``Record``), ``Store(s, i)`` needs
+    ``at == i`` and an empty slot, ``Restore``/``Free(s, i)`` a slot holding ``x_i``,
+    ``Reverse(i)`` needs ``i == adj - 1`` and ``at == i`` or a kept tape of step ``i``; at the
+    end ``adj == 0``, so every step was reversed exactly once. Each check is one or two
+    integer comparisons (plus the slot lookup the action makes anyway); a misfit raises a
+    :class:`ScheduleError`."""
 
     def __init__(self, step: _Step, schedule: Schedule, n_steps: int, n_state: int,
                  preserve_rng: bool, stats: UnrollStats | None, cuda: list[int],
                  autocast: list, storage: dict | None = None,
-                 recorder: _Recorder | None = None, snapshot_dtype: torch.dtype | None = None):
+                 recorder: _Recorder | None = None, snapshot_dtype: torch.dtype | None = None,
+                 x0: Sequence[torch.Tensor] = ()):
+        # x0: the caller's initial leaves (which require grad decides the constants)
         self.step = step
         self.schedule = schedule
         self.n = n_steps
@@ -607,8 +956,22 @@ class _Executor:
         self.recorded = 0
         self.n_slots = 0
         self.peak_slots = 0
+        self.at = 0  # index of the state held (-1: none)
+        self.adj = n_steps  # the adjoint dL/dx_adj is held
+        self.pos = 0  # actions consumed
         self.state_bytes = stats.state_bytes if stats is not None else 0
         self.recorder = recorder  # None: kept tapes are plain autograd graphs
+        # which leaves of a recorded step's input require grad; leaves of x_0 that do not
+        # require grad are candidates for constants (found at the first recording)
+        self.rg = [_is_diff(t) for t in x0]
+        self.candidates = tuple(k for k, t in enumerate(x0)
+                                if _is_diff(t) and not t.requires_grad)
+        self.const: tuple[int, ...] = ()  # leaves that stay constants (requires_grad=False)
+        self.const_from = -1  # the step whose recording found them
+        # the backward's check of every recorded step's graph (set once params are known)
+        self.known: set[int] | None = None
+        self.stop: dict = {}
+        self.marker = 0
         # snapshots (x_0 excepted) of floating leaves stored as snapshot_dtype: inexact
         self.lower = None
         if snapshot_dtype is not None:
@@ -636,15 +999,28 @@ class _Executor:
                 cur, out = step.first(cur, 0)
                 self._put(outs, 0, out)
                 lo = 1
-            if outs is None:
-                for i in range(lo, b):
-                    cur, _ = step(cur, i)
-            else:
+            if outs is not None and b > self.frontier:  # the first sweep: keep outputs
                 for i in range(lo, b):
                     cur, out = step(cur, i)
+                    step.fast_check(cur, i)
                     if i >= self.frontier:
-                        self.step.fast_check(cur, i)
                         self._put(outs, i, out)
+            elif step._single:  # recomputation of a one-tensor state: the check inlined
+                dtype, shape = step._dtype0, step._shape0
+                for i in range(lo, b):
+                    cur, _ = step(cur, i)
+                    t = cur[0]
+                    try:
+                        if t.dtype is dtype and t.shape == shape:
+                            continue
+                    except AttributeError:  # not a tensor
+                        pass
+                    step.check_leaves(cur, i)
+            else:
+                check = step.fast_check
+                for i in range(lo, b):
+                    cur, _ = step(cur, i)
+                    check(cur, i)
         self.advances += b - a
         return cur
 
@@ -660,9 +1036,15 @@ class _Executor:
 
     def _record(self, cur: list[torch.Tensor], i: int, keep: bool = False):
         """Run step ``i`` with grad from detached inputs; returns the tape (x_in, y, out).
-        A tape that is kept for a later ``Reverse`` (``keep``) is recorded under the policy."""
-        x_in = [t.detach().requires_grad_(_is_diff(t)) for t in cur]
-        fn = self.step.first if i == 0 and self.frontier == 0 else self.step
+        A tape that is kept for a later ``Reverse`` (``keep``) is recorded under the policy.
+
+        Checks what the step returned (structure, shapes, dtypes, devices, outputs); at the
+        first recording finds the state leaves that stay constants (:func:`_constant_leaves`),
+        at later ones checks that they did; in the reverse sweep checks that the graph
+        reaches no tensor requiring grad beyond the differentiated ones."""
+        x_in = [t.detach().requires_grad_(r) for t, r in zip(cur, self.rg, strict=True)]
+        first = i == 0 and self.frontier == 0
+        fn = self.step.first if first else self.step
         try:
             with torch.enable_grad():
                 if keep and self.recorder is not None:
@@ -674,13 +1056,47 @@ class _Executor:
                 raise
             raise RuntimeError(f"unroll: step {i} modified its input state in place ({e}); "
                                "a step must return new tensors") from e
+        step = self.step
+        if not first:
+            step.recorded_check(y, out, i)
+        if self.candidates:  # the first recording: which leaves stay constants
+            const = _constant_leaves(x_in, y, self.candidates, self.marker)
+            if len(const) == sum(self.rg):  # not all: see _constant_leaves
+                const = ()
+            self.const = const
+            self.const_from = i
+            self.candidates = ()
+            for k in self.const:
+                self.rg[k] = False
+        elif self.const:
+            for k in self.const:
+                if y[k].requires_grad:
+                    raise ValueError(
+                        f"unroll: step {i} made state leaf {k} depend on a tensor that requires "
+                        f"grad, but that leaf of x_0 does not require grad and step "
+                        f"{self.const_from}'s recording kept it constant, so the "
+                        "unroll returned it with requires_grad=False; make that leaf of x_0 "
+                        "require grad (x0_leaf.requires_grad_()) or use schedule='store_all'"
+                    )
+        if self.known is not None:
+            what = _unseen_leaf(y, out, self.known, x_in, self.stop, self.marker)
+            if what is not None:
+                raise ValueError(
+                    f"unroll: step {i} uses {what} that requires grad but was not found when "
+                    "the unroll started (from the step's closure, its module and the steps "
+                    "the forward sweep recorded), so its gradient would be lost; pass it "
+                    "with params=[...]"
+                )
         return x_in, y, out
 
     def _store(self, cur, a: Store):
+        key = (a.level, a.slot)
+        if key in self.slots:
+            raise _Misfit(f"slot {a.slot} (level {a.level}) already holds "
+                          f"x_{self.slots[key][3]}; Free it first")
         rng = None
         if self.preserve_rng:
             rng = _get_rng(self.cuda)
-        key = (a.level, a.slot)
         lowered = self.lower is not None and a.index != 0  # x_0 is always held exactly
         data = cur
         if lowered:
@@ -701,12 +1117,22 @@ class _Executor:
         if self.n_slots > self.peak_slots:
             self.peak_slots = self.n_slots
 
+    def _held(self, a: Restore | Free) -> tuple:
+        entry = self.slots.get((a.level, a.slot))
+        if entry is None:
+            raise _Misfit(f"slot {a.slot} (level {a.level}) is empty")
+        if entry[3] != a.index:
+            raise _Misfit(f"slot {a.slot} (level {a.level}) holds x_{entry[3]}, "
+                          f"not x_{a.index}")
+        return entry
+
     def _free(self, a: Free):
+        self._held(a)
         key = (a.level, a.slot)
-        _, _, _, index, _ = self.slots.pop(key)
+        del self.slots[key]
         self.n_slots -= 1
         if a.level == 0:
-            if index != 0:
+            if a.index != 0:
                 self.snap_bytes -= self.slot_bytes
         else:
             self._backend(a.level).drop(key)
@@ -718,7 +1144,7 @@ class _Executor:
         return backend
 
     def _restore(self, a: Restore):
-        data, versions, rng, _, lowered = self.slots[(a.level, a.slot)]
+        data, versions, rng, _, lowered = self._held(a)
         if a.level != 0:
             data = self._backend(a.level).get((a.level, a.slot), self.step.meta)
         elif versions is not None and any(t._version != v
@@ -734,35 +1160,79 @@ class _Executor:
         return list(data)
 
     def _run(self, cur, outs, until_reverse: bool):
-        """Interpret actions until the first Reverse (forward) or the end (backward)."""
-        for a in self.actions:
-            t = type(a)
-            if t is Advance:
-                cur = self._advance(cur, a.start, a.stop, outs)
-            elif t is Reverse:
-                if until_reverse:
-                    return cur, a
-                self._reverse(cur, a.index)
-                cur = None
-            elif t is Store:
-                self._store(cur, a)
-            elif t is Restore:
-                cur = self._restore(a)
-            elif t is Free:
-                self._free(a)
-            elif t is Record:
-                for i in range(a.start, a.stop):
-                    tape = self._record(cur, i, True)
-                    self.tapes[i] = tape
-                    self.recorded += 1
-                    cur = [y.detach() for y in tape[1]]
-                    if outs is not None:
-                        if i >= self.frontier:
-                            self.step.fast_check(cur, i)
-                        self._put(outs, i, [o.detach() for o in tape[2]])
-            else:
-                raise TypeError(f"unroll: unknown schedule action {a!r}")
+        """Interpret actions until the first Reverse (forward) or the end (backward),
+        checking each against the state (see the class docstring)."""
+        n = self.n
+        at = self.at
+        k = self.pos
+        a = None
+        try:
+            for a in self.actions:
+                t = type(a)
+                if t is Advance:
+                    lo, hi = a.start, a.stop
+                    if lo != at or not lo < hi <= n:
+                        raise _Misfit(self._range_misfit(lo, hi, at, n))
+                    cur = self._advance(cur, lo, hi, outs)
+                    at = hi
+                elif t is Reverse:
+                    i = a.index
+                    if i != self.adj - 1:
+                        raise _Misfit(f"the adjoint is at x_{self.adj}, so the next reverse "
+                                      f"step is Reverse({self.adj - 1})")
+                    if at != i and i not in self.tapes:
+                        raise _Misfit(f"reversing step {i} needs x_{i} (or a Record of step "
+                                      f"{i}) but the executor holds {_holding(at)}")
+                    if until_reverse:
+                        self.at, self.pos = at, k + 1
+                        return cur, a
+                    self._reverse(cur, i)
+                    self.adj = i
+                    cur = None
+                    at = -1
+                elif t is Store:
+                    if a.index != at:
+                        raise _Misfit(f"stores x_{a.index} but the executor holds "
+                                      f"{_holding(at)}")
+                    self._store(cur, a)
+                elif t is Restore:
+                    cur = self._restore(a)
+                    at = a.index
+                elif t is Free:
+                    self._free(a)
+                elif t is Record:
+                    lo, hi = a.start, a.stop
+                    if lo != at or not lo < hi <= self.adj:
+                        raise _Misfit(self._range_misfit(lo, hi, at, self.adj))
+                    for i in range(lo, hi):
+                        if i in self.tapes:
+                            raise _Misfit(f"step {i} is already recorded")
+                        tape = self._record(cur, i, True)
+                        self.tapes[i] = tape
+                        self.recorded += 1
+                        cur = [y.detach() for y in tape[1]]
+                        if outs is not None:
+                            self._put(outs, i, [o.detach() for o in tape[2]])
+                    at = hi
+                else:
+                    raise _Misfit("is not a schedule action (Advance, Record, Store, Restore, "
+                                  "Free, Reverse)")
+                k += 1
+        except _Misfit as e:
+            raise ScheduleError(
+                f"unroll: action {k} ({a!r}) of schedule {self.schedule!r} does not fit: {e}; "
+                "check a custom schedule with deepsolve.schedules.check(schedule)"
+            ) from None
+        self.at, self.pos = at, k
         return cur, None
+
+    def _range_misfit(self, lo: int, hi: int, at: int, limit: int) -> str:
+        if lo != at:
+            return f"it starts at x_{lo} but the executor holds {_holding(at)}"
+        if hi > limit and limit < self.n:
+            return (f"steps {limit}..{self.n - 1} are already reversed, so a Record must stop "
+                    f"at or before {limit}, not {hi}")
+        return f"its range {lo}..{hi} must satisfy {lo} < stop <= n_steps={self.n}"
 
     # -- the two sweeps --------------------------------------------------------------------
 
@@ -773,16 +1243,19 @@ class _Executor:
         self.actions = iter(self.schedule)
         outs: list[torch.Tensor] = []
         cur, rev = self._run([t.detach() for t in x0], outs, until_reverse=True)
-        if rev is None or rev.index != self.n - 1:
-            raise ValueError(f"unroll: schedule {self.schedule!r} must reverse step "
-                             f"{self.n - 1} first")
+        if rev is None:
+            raise ScheduleError(f"unroll: schedule {self.schedule!r} ended after {self.pos} "
+                                f"actions without a Reverse; its forward part must reach "
+                                f"Reverse({self.n - 1}); check it with "
+                                "deepsolve.schedules.check(schedule)")
         if rev.index in self.tapes:
             tape = self.tapes.pop(rev.index)
         else:
             tape = self._record(cur, rev.index)
             self.recorded += 1
-            self.step.fast_check([y.detach() for y in tape[1]], rev.index)
             self._put(outs, rev.index, [o.detach() for o in tape[2]])
+        self.at = -1
+        self.adj = rev.index
         self.pending = (rev.index, tape)
         self.final = [y.detach() for y in tape[1]]
         self.outs = outs
@@ -805,10 +1278,18 @@ class _Executor:
         with torch.no_grad():
             while True:
                 for a in ctl.at(i):
-                    if type(a) is Store:
-                        self._store(cur, a)
-                    else:
-                        self._free(a)
+                    try:
+                        if type(a) is Store:
+                            if a.index != i:
+                                raise _Misfit(f"stores x_{a.index} but the executor holds x_{i}")
+                            self._store(cur, a)
+                        elif type(a) is Free:
+                            self._free(a)
+                        else:
+                            raise _Misfit("is neither a Store nor a Free")
+                    except _Misfit as e:
+                        raise ScheduleError(f"unroll: online controller action {a!r} at step "
+                                            f"{i} does not fit: {e}") from None
                 if self.preserve_rng:
                     rng = _get_rng(self.cuda)
                 if i == 0:
@@ -837,6 +1318,7 @@ class _Executor:
             _set_rng(rng, self.cuda)
         tape = self._record(cur, n - 1)
         self.recorded += 1
+        self.at, self.adj, self.pos = -1, n - 1, 1
         self.pending = (n - 1, tape)
         self.final = [y.detach() for y in tape[1]]
         self.outs = [torch.stack(col) for col in zip(*outs, strict=True)] if outs else []
@@ -857,7 +1339,7 @@ class _Executor:
         self.done = True
         t0 = time.perf_counter()
         self.g_outs = g_outs
-        self.adj = list(g_final)
+        self.grad = list(g_final)
         self.pgrads: list[torch.Tensor | None] = [None] * len(self.params)
         self.owned = [False] * len(self.params)
         fork = torch.random.fork_rng(devices=self.cuda) if self.preserve_rng else None
@@ -870,6 +1352,12 @@ class _Executor:
                 self._pull(tape, i)
                 del tape  # x_{n-1} and the last step's output: not needed any more
                 self._run(None, None, until_reverse=False)
+                if self.adj != 0:
+                    raise ScheduleError(
+                        f"unroll: schedule {self.schedule!r} ended with steps "
+                        f"0..{self.adj - 1} never reversed (the adjoint is at x_{self.adj}); "
+                        "every step must be reversed exactly once; check it with "
+                        "deepsolve.schedules.check(schedule)")
         finally:
             if fork is not None:
                 fork.__exit__(None, None, None)
@@ -877,7 +1365,7 @@ class _Executor:
         if self.stats is not None:
             self.stats.backward_time = time.perf_counter() - t0
             self._fill_stats()
-        return self.adj, self.pgrads
+        return self.grad, self.pgrads
 
     def release(self) -> None:
         """Drop every snapshot and tape and close the storage backends (remove spill files)."""
@@ -898,7 +1386,7 @@ class _Executor:
         """adjoint_i = J_i^T adjoint_{i+1} (+ output terms); accumulate parameter grads."""
         x_in, y, out = tape
         roots, seeds = [], []
-        for t, g in zip(y, self.adj, strict=True):
+        for t, g in zip(y, self.grad, strict=True):
             if g is not None and t.requires_grad:
                 roots.append(t)
                 seeds.append(g)
@@ -909,11 +1397,11 @@ class _Executor:
                 seeds.append(g[i])
         inputs = [t for t in x_in if t.requires_grad] + self.params
         if not roots or not inputs:
-            self.adj = [None] * self.n_state
+            self.grad = [None] * self.n_state
             return
         grads = torch.autograd.grad(roots, inputs, seeds, allow_unused=True)
         it = iter(grads)
-        self.adj = [next(it) if t.requires_grad else None for t in x_in]
+        self.grad = [next(it) if t.requires_grad else None for t in x_in]
         pg, owned = self.pgrads, self.owned
         for k, g in enumerate(it):
             if g is None:
@@ -940,6 +1428,8 @@ class _UnrollFunction(torch.autograd.Function):
         ctx.ex = ex
         ctx.set_materialize_grads(False)
         ctx.n_final = len(ex.final)
+        if ex.const:  # state leaves that depend on nothing requiring grad
+            ctx.mark_non_differentiable(*[ex.final[k] for k in ex.const])
         return (*ex.final, *ex.outs)  # computed by ex.forward before apply
 
     @staticmethod
@@ -991,6 +1481,14 @@ def execute(
         context_fn, preserve_rng, policy if isinstance(policy, CompiledPolicy) else None)
     snapshot_dtype = check_snapshot_dtype(snapshot_dtype)
     x0, spec = _flatten_state(state)
+    if torch.is_grad_enabled():
+        for k, t in enumerate(x0):
+            if t.is_inference():
+                raise ValueError(
+                    f"unroll: state leaf {k} of x0 is an inference tensor (made under "
+                    "torch.inference_mode()), which autograd cannot record; make x0 outside "
+                    "inference_mode, or pass a copy made outside it (x0.clone()), or run the "
+                    "unroll under torch.inference_mode() / torch.no_grad() as well")
     sched = schedule
     fn = _Step(step, spec, x0, has_output)
     state_bytes = sum(t.numel() * t.element_size() for t in x0)
@@ -1026,23 +1524,26 @@ def execute(
 
     cuda = _devices(x0 + explicit)
     ex = _Executor(fn, sched, n_steps, len(x0), preserve_rng, stats, cuda, _autocast_state(),
-                   storage, recorder, snapshot_dtype)
+                   storage, recorder, snapshot_dtype, x0)
     try:
         if until is not None:
-            x_in, y, out = ex.forward_online(x0, sched.start(), until, max_steps)
+            tape = ex.forward_online(x0, sched.start(), until, max_steps)
         else:
-            x_in, y, out = ex.forward(x0)
+            tape = ex.forward(x0)
+        tapes = [tape, *ex.tapes.values()]  # every step the forward sweep recorded
+        params, stop = _discover(step, tapes, explicit, ex.marker)
     except BaseException:
         ex.release()
         raise
     weakref.finalize(ex, _close_all, list(ex.storage.values()))
-    params = explicit + _discover(step, y, out, explicit, x_in, ex.marker)
     params = [p for p in params if p.requires_grad]
     if not params and not any(t.requires_grad for t in x0):  # nothing to differentiate
         res = (*ex.final, *ex.outs)
         ex.release()
     else:
         ex.params = params
+        ex.known = {id(p) for p in params} | {id(p) for p in explicit}
+        ex.stop = stop
         if stats is not None:
             stats.extra["params"] = len(params)
         res = _UnrollFunction.apply(ex, *x0, *params)
@@ -1057,21 +1558,33 @@ def _close_all(backends) -> None:
         b.close()
 
 
-def _discover(step, y, out, explicit, x_in, marker) -> list[torch.Tensor]:
-    """Tensors requiring grad that the step uses: from the graph of the last recorded step,
-    plus the parameters of the module the step is or is a method of."""
+def _discover(step, tapes: Sequence[tuple], explicit: Sequence[torch.Tensor],
+              marker: int) -> tuple[list[torch.Tensor], dict]:
+    """The tensors to differentiate, ``explicit`` first, and the graph nodes of the explicit
+    ones (where a graph walk stops).
+
+    Found: leaves requiring grad in the graphs of the steps the forward sweep recorded
+    (``tapes``: ``(x_in, y, out)``), the parameters of the module the step is or is a method
+    of, and the leaves reachable from the step function itself (:func:`_closure_leaves`),
+    so that a tensor used only at some steps is found under every schedule. The reverse
+    sweep checks each step it records against this set (:func:`_unseen_leaf`)."""
     stop = {}
     for p in explicit:
         node = p.grad_fn if p.grad_fn is not None else (
             torch.autograd.graph.get_gradient_edge(p).node if p.requires_grad else None)
         if node is not None:
             stop[node] = p
-    ids = {id(t) for t in x_in} | {id(p) for p in explicit}
-    found = _graph_leaves([t for t in (*y, *out) if t.requires_grad], stop, marker, ids)
+    ids = {id(p) for p in explicit}
+    for x_in, _, _ in tapes:
+        ids.update(id(t) for t in x_in)
+    roots = [t for _, y, out in tapes for t in (*y, *out) if t.requires_grad]
+    found = _graph_leaves(roots, stop, marker, ids)
     owner = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
     if isinstance(owner, torch.nn.Module):
         found.extend(p for p in owner.parameters() if id(p) not in ids)
-    return list({id(p): p for p in found}.values())
+    found.extend(p for p in _closure_leaves(step) if id(p) not in ids)
+    found = list({id(p): p for p in found}.values())
+    return list(explicit) + found, stop
 
 
 def _plain_loop(fn: _Step, x0: list[torch.Tensor], n: int, spec, grad_on: bool,
