@@ -1171,15 +1171,16 @@ class _Executor:
                 t = type(a)
                 if t is Advance:
                     lo, hi = a.start, a.stop
-                    if lo != at or not lo < hi <= n:
+                    if lo != at or not 0 <= lo < hi <= n:
                         raise _Misfit(self._range_misfit(lo, hi, at, n))
                     cur = self._advance(cur, lo, hi, outs)
                     at = hi
                 elif t is Reverse:
                     i = a.index
-                    if i != self.adj - 1:
+                    if i != self.adj - 1 or i < 0:
                         raise _Misfit(f"the adjoint is at x_{self.adj}, so the next reverse "
-                                      f"step is Reverse({self.adj - 1})")
+                                      f"step is Reverse({self.adj - 1})" if self.adj else
+                                      "every step is already reversed")
                     if at != i and i not in self.tapes:
                         raise _Misfit(f"reversing step {i} needs x_{i} (or a Record of step "
                                       f"{i}) but the executor holds {_holding(at)}")
@@ -1191,7 +1192,7 @@ class _Executor:
                     cur = None
                     at = -1
                 elif t is Store:
-                    if a.index != at:
+                    if a.index != at or at < 0:
                         raise _Misfit(f"stores x_{a.index} but the executor holds "
                                       f"{_holding(at)}")
                     self._store(cur, a)
@@ -1202,7 +1203,7 @@ class _Executor:
                     self._free(a)
                 elif t is Record:
                     lo, hi = a.start, a.stop
-                    if lo != at or not lo < hi <= self.adj:
+                    if lo != at or not 0 <= lo < hi <= self.adj:
                         raise _Misfit(self._range_misfit(lo, hi, at, self.adj))
                     for i in range(lo, hi):
                         if i in self.tapes:
@@ -1227,7 +1228,7 @@ class _Executor:
         return cur, None
 
     def _range_misfit(self, lo: int, hi: int, at: int, limit: int) -> str:
-        if lo != at:
+        if lo != at or at < 0:
             return f"it starts at x_{lo} but the executor holds {_holding(at)}"
         if hi > limit and limit < self.n:
             return (f"steps {limit}..{self.n - 1} are already reversed, so a Record must stop "
