@@ -108,3 +108,144 @@ def test_missing_int_values_are_not_plotted_or_summed(tmp_path):
     text = report(tmp_path)
     assert "device 8.0 MiB" in text and "12 unrecorded" in text
     assert (tmp_path / "memory.png").read_bytes()[:8] == PNG
+
+
+# ------------------------------------------------------------------ untrusted logs (issue 21)
+
+
+def _h5(path, fill, *, schema=1):
+    """A hand-made log: ``iteration`` 0..2, then whatever ``fill(f)`` adds."""
+    import h5py
+
+    with h5py.File(path, "w", libver="latest", track_order=True) as f:
+        f.attrs["schema_version"] = schema
+        f["iteration"] = np.arange(3)
+        fill(f)
+    return path
+
+
+def test_report_does_not_follow_what_a_log_points_to(tmp_path):
+    """External links, external-storage and virtual datasets made report read other files
+    (bytes of a secret appeared as values): each is refused with one line."""
+    import h5py
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"hostname-secret!" * 8)
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as g:
+        g["x"] = np.arange(3.0)
+
+    def ext(f):
+        f.create_dataset("loss", shape=(3,), dtype=np.float64, external=[(str(secret), 0, 24)])
+
+    def link(f):
+        f["loss"] = h5py.ExternalLink(str(other), "/x")
+
+    def virtual(f):
+        lay = h5py.VirtualLayout(shape=(3,), dtype=np.float64)
+        lay[:] = h5py.VirtualSource(str(other), "x", shape=(3,))
+        f.create_virtual_dataset("loss", lay)
+
+    for name, fill, match in (("ext", ext, "external files"), ("link", link, "external link"),
+                              ("virtual", virtual, "virtual dataset")):
+        run = tmp_path / name
+        run.mkdir()
+        _h5(run / "log.h5", fill)
+        with pytest.raises(LogError, match=match) as e:
+            report(run)
+        assert "\n" not in str(e.value) and "log.h5" in str(e.value)
+        assert not (run / "loss.png").exists()
+
+
+def test_a_fifo_named_log_h5_is_refused_at_once(tmp_path):
+    import threading
+
+    fifo = tmp_path / "log.h5"
+    os.mkfifo(fifo)
+    result = {}
+
+    def target():
+        try:
+            report(tmp_path)
+        except LogError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(60)
+    if t.is_alive():                 # unblock a reader stuck in open() before failing
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join(10)
+        pytest.fail("report hung on a FIFO")
+    assert "not a regular file (a FIFO)" in result["error"]
+
+
+def test_schema_version_and_declared_sizes_are_checked(tmp_path):
+    with pytest.raises(LogError, match="schema_version 999 is not a layout") as e:
+        read_log(_h5(tmp_path / "a.h5", lambda f: None, schema=999))
+    assert "\n" not in str(e.value)
+
+    def huge(f):      # a sparse dataset: 10^12 rows declared in a file of a few KiB
+        f.create_dataset("loss", shape=(10**12,), maxshape=(None,), chunks=(1024,),
+                         dtype=np.float64)
+
+    with pytest.raises(LogError, match=r"'loss' declares 1000000000000 rows .* more than the "
+                                       r"file's \d+ bytes"):
+        report(_h5(tmp_path / "b.h5", huge))
+
+    def huge_iteration(f):
+        del f["iteration"]
+        f.create_dataset("iteration", shape=(10**12,), maxshape=(None,), chunks=(1024,),
+                         dtype=np.int64)
+
+    with pytest.raises(LogError, match="'iteration' declares"):
+        read_log(_h5(tmp_path / "c.h5", huge_iteration))
+
+
+def test_report_work_is_bounded_for_thousands_of_metrics(tmp_path, monkeypatch):
+    """3000 metric columns took 593 s: now at most MAX_SERIES are drawn, MAX_TABLE_ROWS
+    listed, and the report says how many were left out."""
+    import importlib
+
+    import h5py
+
+    R = importlib.import_module("deepsolve.io.report")   # the module, not the function
+    n_metrics = 3000
+    with h5py.File(tmp_path / "log.h5", "w", libver="latest", track_order=True) as f:
+        f.attrs["schema_version"] = 1
+        f["iteration"] = np.arange(4)
+        f["loss"] = np.array([4.0, 3.0, 2.0, 1.0])
+        for j in range(n_metrics):
+            d = f.create_dataset(f"metric.m{j}", data=np.full(4, 1.0 + j))
+            d.attrs["column"] = f"metric/m{j}"
+    drawn = []
+    real = R._plot
+
+    def counting(path, it, series, *a):
+        drawn.append((path.name, len(series)))
+        return real(path, it, series, *a)
+
+    monkeypatch.setattr(R, "_plot", counting)
+    text = report(tmp_path)
+    assert dict(drawn)["metrics.png"] == R.MAX_SERIES
+    assert f"metrics.png (the first {R.MAX_SERIES} of {n_metrics} metrics)" in text
+    assert f"... ({n_metrics - R.MAX_TABLE_ROWS} more metrics)" in text
+    assert sum(line.startswith("metric/") for line in text.splitlines()) == R.MAX_TABLE_ROWS
+
+
+def test_report_out_at_a_file_or_proc_is_one_line(tmp_path, capsys):
+    from deepsolve.cli import main
+    from deepsolve.io import ReportError
+
+    run = tmp_path / "run"
+    full_log(run, n=5)
+    a_file = tmp_path / "plots.txt"
+    a_file.write_text("not a directory")
+    with pytest.raises(ReportError, match="not a directory"):
+        report(run, out_dir=a_file)
+    assert a_file.read_text() == "not a directory"
+    for out in (a_file, "/proc", "/proc/self/plots"):
+        assert main(["report", str(run), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("deepsolve report: error: --out") and err.count("\n") == 1, err

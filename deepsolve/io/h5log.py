@@ -188,51 +188,62 @@ def _check_file(path: Path) -> int:
     return int(st.st_size)
 
 
-def _superblock_eof(path: Path) -> int | None:
-    """End-of-file address stored in the superblock at offset 0 (None if not found)."""
+def _superblock(path: Path) -> tuple[int | None, int]:
+    """``(end-of-file address, status flags)`` from the superblock at offset 0 (``None`` and
+    0 where not found). Flags (superblock versions 2 and 3): 0x1 open for writing, 0x4 open
+    for SWMR writing."""
     try:
         with open(path, "rb") as fh:
             b = fh.read(64)
     except OSError:
-        return None
+        return None, 0
     if len(b) < 12 or b[:8] != b"\x89HDF\r\n\x1a\n":
-        return None
+        return None, 0
     version = b[8]
+    flags = 0
     if version in (2, 3):
-        so, start = b[9], 12
+        so, start, flags = b[9], 12, b[11]
     elif version in (0, 1):
         so, start = b[13], 24 if version == 0 else 28
     else:
-        return None
+        return None, 0
     if so not in (2, 4, 8) or len(b) < start + 3 * so:
-        return None
+        return None, flags
     base = int.from_bytes(b[start:start + so], "little")
     eof = int.from_bytes(b[start + 2 * so:start + 3 * so], "little")
-    return base + eof
+    return base + eof, flags
+
+
+_SWMR_WAIT = 3.0     # seconds a live writer may take to write what its superblock announces
 
 
 def _open_for_reading(path: Path, locking: bool | None) -> tuple[h5py.File, bool]:
     """Open a log read-only; returns ``(file, live)``. ``live``: the file is marked open for
     writing (a trainer writes it, or its writer was killed) and was opened in SWMR mode, after
     checking the file is not shorter than its superblock says (HDF5 skips that check for SWMR
-    readers, and its readers then retry reads of missing metadata for minutes)."""
+    readers, and its readers then retry reads of missing metadata for minutes; a live writer
+    is given ``_SWMR_WAIT`` seconds to catch up)."""
     lock = _reader_locking(locking)
     _check_file(path)
-    try:
-        return _open_reader(path, lock), False
-    except LogError:
-        raise
-    except OSError as e:
-        if not _is_dirty_flag_error(e):
-            raise LogError(f"{path}: not a readable HDF5 log ({_one_line(e)})") from None
-    for attempt in range(2):
-        eof, size = _superblock_eof(path), path.stat().st_size
+    _, flags = _superblock(path)
+    if not flags & 0x5:
+        try:
+            return _open_reader(path, lock), False
+        except LogError:
+            raise
+        except OSError as e:
+            if not _is_dirty_flag_error(e) and not _superblock(path)[1] & 0x5:
+                raise LogError(f"{path}: not a readable HDF5 log ({_one_line(e)})") from None
+    deadline = time.monotonic() + _SWMR_WAIT
+    while True:
+        eof, _ = _superblock(path)
+        size = path.stat().st_size
         if eof is None or size >= eof:
             break
-        if attempt:
+        if time.monotonic() > deadline:
             raise LogError(f"{path}: truncated log (file has {size} bytes, its superblock "
                            f"says {eof})")
-        time.sleep(0.2)   # a live writer may be between extending and writing the file
+        time.sleep(0.05)   # a live writer between extending and writing the file
     try:
         return _open_reader(path, lock, swmr=True), True
     except LogError:
@@ -408,10 +419,10 @@ def _kind_of_dataset(d: h5py.Dataset) -> str | None:
     return None
 
 
-def _checked_members(f: h5py.File, p: Path) -> list[tuple[str, str, h5py.Dataset]]:
-    """``(dataset name, column name, dataset)`` of the root's 1-D datasets in creation order,
-    after refusing links out of the file, external-storage and virtual datasets and dtypes
-    a log does not hold. Groups and datasets of other ranks are skipped."""
+def _checked_members(f: h5py.File, p: Path) -> list[tuple[str, str, h5py.Dataset, str | None]]:
+    """``(dataset name, column name, dataset, units)`` of the root's 1-D datasets in creation
+    order, after refusing links out of the file, external-storage and virtual datasets and
+    dtypes a log does not hold. Groups and datasets of other ranks are skipped."""
     n = len(f)
     if n > _MAX_COLUMNS:
         raise LogError(f"{p}: {n} members at the root, more than a log holds "
@@ -426,18 +437,25 @@ def _checked_members(f: h5py.File, p: Path) -> list[tuple[str, str, h5py.Dataset
         obj = f.get(key)
         if not isinstance(obj, h5py.Dataset) or obj.ndim != 1:
             continue
-        if obj.is_virtual:
+        dcpl = obj.id.get_create_plist()
+        if dcpl.get_layout() == h5py.h5d.VIRTUAL:
             raise LogError(f"{p}: {key!r} is a virtual dataset (its data lives in other files); "
                            "not reading it")
-        if obj.id.get_create_plist().get_external_count() > 0:
+        if dcpl.get_external_count() > 0:
             raise LogError(f"{p}: {key!r} keeps its data in external files; not reading it")
         if _kind_of_dataset(obj) is None:
             raise LogError(f"{p}: {key!r} has dtype {obj.dtype}, not one a log holds "
                            "(int, float, string)")
-        col = obj.attrs.get("column", key)
+        a = obj.attrs
+        col, units = key, None
+        if len(a):
+            col = a.get("column", key)
+            units = a.get("units")
         if isinstance(col, bytes):
             col = col.decode("utf-8", "replace")
-        out.append((key, str(col), obj))
+        if isinstance(units, bytes):
+            units = units.decode("utf-8", "replace")
+        out.append((key, str(col), obj, None if units is None else str(units)))
     return out
 
 
@@ -474,10 +492,10 @@ def _read_open(f: h5py.File, p: Path, live: bool,
     members = _checked_members(f, p)
     if not members:
         raise EmptyLogError(f"{p}: no columns (no row was ever flushed)")
-    by_col = {c: (k, d) for k, c, d in members}
+    by_col = {c: (k, d) for k, c, d, _ in members}
     if "iteration" not in by_col:
         raise LogError(f"{p}: no 'iteration' column (columns: "
-                       f"{', '.join(c for _, c, _ in members)[:300]})")
+                       f"{', '.join(c for _, c, _, _ in members)[:300]})")
     k_it, d_it = by_col["iteration"]
     if _kind_of_dataset(d_it) != "i":
         raise LogError(f"{p}: the 'iteration' column holds {d_it.dtype}, not integers")
@@ -492,7 +510,7 @@ def _read_open(f: h5py.File, p: Path, live: bool,
     kinds = [(k_it, "iteration", "i")]
     units: dict[str, str] = {}
     short = {}
-    for key, col, d in members:
+    for key, col, d, _ in members:
         if col == "iteration":
             continue
         _check_size(d, key, p, file_size)
@@ -510,14 +528,14 @@ def _read_open(f: h5py.File, p: Path, live: bool,
             raise _Torn()
         detail = ", ".join(f"{c}: {m}" for c, m in list(short.items())[:10])
         raise LogError(f"{p}: columns of different lengths (iteration: {n}, {detail})")
-    for _key, col, d in members:
-        u = d.attrs.get("units")
-        if u is not None:
-            units[col] = u.decode() if isinstance(u, bytes) else str(u)
+    for _, col, _, u in members:
+        if u is not None and col in columns:
+            units[col] = u
     # keep the creation order of the file (iteration is first in deepsolve's logs)
-    order = [c for _, c, _ in members if c in columns]
+    order = [c for _, c, _, _ in members if c in columns]
     columns = {c: columns[c] for c in order}
-    kinds.sort(key=lambda t: order.index(t[1]))
+    pos = {c: i for i, c in enumerate(order)}
+    kinds.sort(key=lambda t: pos[t[1]])
     return raw_attrs, kinds, columns, units
 
 
@@ -528,10 +546,17 @@ def _resolve(path: str | os.PathLike) -> Path:
     return p
 
 
+_LIVE_RETRY = 5.0    # seconds a reader of a live log keeps retrying a failed read
+
+
 def _read(p: Path, locking: bool | None, n_max: int | None = None):
-    """:func:`_read_open` with the opening, retries on a live file and one-line errors."""
-    attempts = 4
-    for attempt in range(attempts):
+    """:func:`_read_open` with the opening, one-line errors, and retries (for up to
+    ``_LIVE_RETRY`` seconds) on a file marked open for writing: its writer may be extending
+    it under the reader (HDF5 then fails a read with "len exceeds EOA" until the writer has
+    written its superblock)."""
+    deadline = time.monotonic() + _LIVE_RETRY
+    delay = 0.01
+    while True:
         f, live = _open_for_reading(p, locking)
         try:
             with f:
@@ -539,15 +564,14 @@ def _read(p: Path, locking: bool | None, n_max: int | None = None):
         except LogError:
             raise
         except _Torn:
-            pass
+            if time.monotonic() > deadline:
+                raise LogError(f"{p}: the columns kept changing while reading the live log; "
+                               "read it again") from None
         except (OSError, KeyError, RuntimeError, ValueError, TypeError) as e:
-            if not live or attempt == attempts - 1:
+            if not live or time.monotonic() > deadline:
                 raise LogError(f"{p}: corrupt or truncated log ({_one_line(e)})") from None
-        if attempt == attempts - 1:
-            raise LogError(f"{p}: the columns kept changing while reading the live log; "
-                           "read it again")
-        time.sleep(0.05 * (attempt + 1))
-    raise AssertionError("unreachable")
+        time.sleep(delay)
+        delay = min(2 * delay, 0.25)
 
 
 def read_log(path: str | os.PathLike, *, locking: bool | None = None) -> LogData:
