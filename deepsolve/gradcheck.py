@@ -318,6 +318,8 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None, floor: float) -> float:
 
 
 def _forward_diff(ys: list, refs: list) -> float:
+    """Largest ``||y - r|| / ||r||`` over the floating-point leaves (``inf`` for a leaf of
+    another shape or dtype, ``nan`` as soon as one is not finite)."""
     out = 0.0
     for y, r in zip(ys, refs, strict=True):
         if y is None or r is None:
@@ -325,9 +327,9 @@ def _forward_diff(ys: list, refs: list) -> float:
         if y.shape != r.shape or y.dtype != r.dtype:
             return math.inf
         e = _rel(y, r, 0.0)
-        out = e if e != e else max(out, e)
-        if out != out:
-            return out
+        if e != e:
+            return e
+        out = max(out, e)
     return out
 
 
