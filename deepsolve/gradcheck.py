@@ -139,6 +139,8 @@ class GradientCheck:
         problems: why the check failed (empty when ``ok``), one line each, with what to do.
         notes: facts that do not fail the check (a run that was store_all anyway...).
         title: first line of the table.
+        failed: label -> the one-line error of a schedule whose unroll raised (store_all
+            ran); its column reads ``error``.
     """
 
     ok: bool
@@ -151,6 +153,7 @@ class GradientCheck:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     title: str = ""
+    failed: dict[str, str] = field(default_factory=dict)
 
     def table(self) -> str:
         """The per-tensor table, the schedules' legend, the notes and the verdict."""
@@ -163,10 +166,13 @@ class GradientCheck:
             cells = [r.name, "x".join(map(str, r.shape)) or "scalar",
                      _num(r.ref_norm) if r.reached else "not reached"]
             for lb in labels:
-                cells.append("missing" if lb in r.missing else _err(r.errors.get(lb)))
+                cells.append("error" if lb in self.failed else
+                             "missing" if lb in r.missing else _err(r.errors.get(lb)))
             cells.append(_err(r.replay))
             body.append(cells)
-        body.append(["(result)", "", "", *[_err(self.forward.get(lb)) for lb in labels], ""])
+        body.append(["(result)", "", "",
+                     *["error" if lb in self.failed else _err(self.forward.get(lb))
+                       for lb in labels], ""])
         widths = [max(len(row[c]) for row in [head, *body]) for c in range(len(head))]
         fmt = "  ".join(f"{{:<{w}}}" if c < 2 else f"{{:>{w}}}" for c, w in enumerate(widths))
         lines += ["", fmt.format(*head), *(fmt.format(*row) for row in body), ""]
@@ -458,17 +464,28 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
 
         results: dict[str, list[tuple[list, list]]] = {}
         schedules: dict[str, str] = {}
+        failed: dict[str, str] = {}
         for label, kw in runs:
             results[label] = []
             for _ in range(2):
                 _rng_set(rng0)
                 stats = UnrollStats()
-                res = unroll(step, x0c, n_steps, stats=stats, **kw)
-                loss = _projection(res)
-                values = [y.detach().clone() if _floating(y) else None for y in _leaves(res)]
-                grads = _grad(loss, tensors, need) if loss is not None else [None] * len(need)
-                if esc := _escaped(rng0, _rng_get()):
-                    escaped.setdefault(label, esc)
+                try:
+                    res = unroll(step, x0c, n_steps, stats=stats, **kw)
+                    loss = _projection(res)
+                    values = [y.detach().clone() if _floating(y) else None
+                              for y in _leaves(res)]
+                    grads = (_grad(loss, tensors, need) if loss is not None
+                             else [None] * len(need))
+                except Exception as e:  # store_all ran: a failure here is a finding
+                    text = str(e).splitlines()[0] if str(e) else ""
+                    failed[label] = f"{type(e).__name__}: {text}".rstrip(": ")
+                    schedules[label] = stats.schedule or repr(kw.get("schedule", "?"))
+                    del results[label]
+                    break
+                finally:
+                    if esc := _escaped(rng0, _rng_get()):
+                        escaped.setdefault(label, esc)
                 results[label].append((values, grads))
                 schedules[label] = stats.schedule or "?"
                 del res, loss
@@ -476,9 +493,11 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
         _rng_set(rng0)
 
     # drop extra schedules that are the run's own
-    for label in [lb for lb in results if lb != "run"]:
-        if schedules[label] == schedules["run"]:
-            del results[label], schedules[label]
+    for label in [lb for lb in schedules if lb != "run"]:
+        if schedules[label] == schedules.get("run"):
+            results.pop(label, None)
+            failed.pop(label, None)
+            del schedules[label]
 
     finite_norms = [float(g.detach().double().norm()) for g in ref_grads if g is not None]
     big = max([n for n in finite_norms if math.isfinite(n)] or [0.0])
@@ -501,6 +520,9 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
     problems: list[str] = []
     notes: list[str] = []
     advice = _ADVICE
+    for label, msg in failed.items():
+        problems.append(f"{label} ({schedules[label]}): the unroll failed where store_all ran: "
+                        f"{msg}")
     if escaped:
         srcs = sorted({s for v in escaped.values() for s in v})
         problems.append(f"the step draws from {' and '.join(srcs)} (its state changed during "
@@ -552,7 +574,7 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
                      "by design")
     out = GradientCheck(ok=not problems, n_steps=n_steps, rtol=tol, reference="store_all",
                         schedules=schedules, rows=rows, forward=forward, problems=problems,
-                        notes=notes,
+                        notes=notes, failed=failed,
                         title=f"gradient check: {n_steps} steps, schedules against store_all "
                               "(each run twice):")
     if verbose:

@@ -255,3 +255,20 @@ def test_check_passes_on_every_shipped_problem(name, tmp_path, capsys):
         assert "did not chunk" not in out
     else:
         assert "against store_all" in out and "revolve" in out
+
+
+def test_a_schedule_whose_unroll_fails_is_a_finding_not_a_crash():
+    """A step that changes its state's dtype from its 8th call on: store_all (6 calls) runs,
+    the checkpointed schedules (which call it more often) fail; the check reports each
+    failure with the unroll's own one-line error instead of raising."""
+    calls = [0]
+
+    def step(x, i):
+        calls[0] += 1
+        return x.float() if calls[0] >= 8 else 0.9 * x
+
+    res = check_gradients(step, torch.randn(3, 4, dtype=torch.float64), 6, snapshots=2)
+    assert not res.ok
+    assert set(res.failed) == {"run", "periodic"}  # revolve(6, 2) is the run's own schedule
+    assert all("the unroll failed where store_all ran" in p for p in res.problems)
+    assert "error" in res.table()
