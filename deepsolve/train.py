@@ -197,8 +197,10 @@ def load_restart(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise RestartError(f"--resume: no restart file at {path}") from None
     except Exception as e:
-        raise RestartError(f"--resume: cannot read the restart file {path}: "
-                           f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        why = " ".join(str(e).split()).split(". ")[0][:200].rstrip(" .")
+        raise RestartError(f"--resume: cannot read the restart file {path} "
+                           f"({type(e).__name__}: {why}); it is not a restart file written by "
+                           "deepsolve, or it is damaged") from None
     if not isinstance(state, dict):
         raise RestartError(f"{path}: not a restart file (it holds a {type(state).__name__}, "
                            "not a dict)")
@@ -219,7 +221,27 @@ def load_restart(path: str) -> dict[str, Any]:
     if k < 0:
         raise RestartError(f"{path}: 'iteration' is {k}; a restart file's iteration is >= 0")
     state["iteration"] = int(k)
+    steps = _optimizer_steps(state["optimizer"])
+    if steps is not None and steps > k:
+        raise RestartError(f"{path}: 'iteration' is {k} but the optimizer has taken {steps} "
+                           "steps (one per iteration): the file's fields do not belong "
+                           "together")
     return state
+
+
+def _optimizer_steps(opt_state: Mapping) -> int | None:
+    """The most steps a standard ``torch.optim`` state records (Adam's ``step``), if any."""
+    st = opt_state.get("state")
+    if not isinstance(st, Mapping):
+        return None
+    most = None
+    for entry in st.values():
+        v = entry.get("step") if isinstance(entry, Mapping) else None
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            most = int(v) if most is None else max(most, int(v))
+    return most
 
 
 def _names(keys: list[str], at_most: int = 5) -> str:

@@ -1,0 +1,409 @@
+"""A run directory the trainer can always continue: runs stopped before their first restart
+file, one writer at a time, readers that do not block a resume, restart files that do not
+fit the run, full disks, stale temporaries, 0-byte logs, settings out of range."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deepsolve.cli import main
+from deepsolve.io import read_log
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TINY = str(HERE / "data" / "tiny_problem.py")
+GATED = str(HERE / "data" / "gated_problem.py")
+
+
+def cli(*args) -> int:
+    return main([str(a) for a in args])
+
+
+def train(out, *extra) -> int:
+    return cli("train", TINY, "--out", out, "--quiet", *extra)
+
+
+def one_line_error(capsys, command: str = "train") -> str:
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith(f"deepsolve {command}: error:")]
+    assert len(lines) == 1 and err.strip().splitlines()[-1] == lines[0].strip(), err
+    return lines[0]
+
+
+def iterations(out) -> list[int]:
+    return read_log(Path(out) / "log.h5").columns["iteration"].tolist()
+
+
+def _wait_for(path, proc, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"the trainer ended (rc {proc.returncode}): "
+                                 f"{proc.communicate()[1]}")
+        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.02)
+
+
+def _gated(out, gate, gate_at, *extra):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "deepsolve", "train", GATED, "--out", str(out), "--quiet",
+         "--set", f"gate={gate}", "--set", f"gate_at={gate_at}", *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# ------------------------------------------------------------- stopped before a restart file
+
+
+def test_a_run_stopped_before_its_first_restart_file_resumes_from_zero(tmp_path, capsys):
+    """A log but no restart.pt: --resume said "no restart file", a fresh start "already
+    holds a run". Now --resume starts at iteration 0 and a fresh start starts over; both
+    replace the log (no duplicate rows) and say so in one line."""
+    out = tmp_path / "run"
+    assert train(out, "--iterations", 5, "--set", "checkpoint_every=100") == 0
+    (out / "restart.pt").unlink()            # as if killed before its first restart file
+    capsys.readouterr()
+    assert train(out, "--iterations", 8, "--resume") == 0
+    err = capsys.readouterr().err
+    assert "holds no restart file" in err and "starting from iteration 0" in err
+    assert iterations(out) == list(range(8))
+    (out / "restart.pt").unlink()
+    assert train(out, "--iterations", 6) == 0
+    assert "starting the run over" in capsys.readouterr().err
+    assert iterations(out) == list(range(6))
+
+
+def test_a_zero_byte_or_never_flushed_log_is_no_obstacle(tmp_path, capsys):
+    """A 0-byte log.h5 ("no space" at creation) or one whose writer stopped before the
+    log's first complete flush, without a restart file: both a fresh start and --resume
+    work."""
+    for i, resume in enumerate(((), ("--resume",))):
+        out = tmp_path / f"zero{i}"
+        out.mkdir()
+        (out / "log.h5").write_bytes(b"")
+        assert train(out, "--iterations", 3, *resume) == 0, capsys.readouterr().err
+        assert iterations(out) == [0, 1, 2]
+    legacy = textwrap.dedent("""
+        import os, signal, sys, h5py
+        f = h5py.File(sys.argv[1], "w", libver="latest")
+        f.attrs["schema_version"] = 1
+        f.create_dataset("iteration", shape=(0,), maxshape=(None,), dtype="i8", chunks=(1024,))
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    for i, resume in enumerate(((), ("--resume",))):
+        out = tmp_path / f"legacy{i}"
+        out.mkdir()
+        r = subprocess.run([sys.executable, "-c", legacy, str(out / "log.h5")], timeout=120)
+        assert r.returncode == -signal.SIGKILL
+        assert train(out, "--iterations", 3, *resume) == 0, capsys.readouterr().err
+        assert iterations(out) == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------- one writer
+
+
+def test_one_writer_per_run_directory(tmp_path, capsys):
+    """A second trainer on the same --out gets a one-line error at once (with or without
+    --resume); the lock dies with its holder, so a SIGKILLed run resumes at once."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    proc = _gated(out, gate, 4, "--iterations", "9", "--set", "checkpoint_every=3")
+    try:
+        _wait_for(f"{gate}.waiting", proc)
+        for extra in ((), ("--resume",)):
+            t0 = time.monotonic()
+            assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 9, *extra) == 2
+            msg = one_line_error(capsys)
+            assert f"another trainer (pid {proc.pid}) is writing this run directory" in msg
+            assert time.monotonic() - t0 < 30
+        assert iterations(out) == [0, 1, 2]       # the first writer's log is untouched
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 9, "--resume") == 0
+    assert iterations(out) == list(range(9))
+    assert sorted(p.name for p in out.iterdir()) == ["log.h5", "restart.pt"]
+
+
+HOLDER = """
+import sys, time, h5py
+f = h5py.File(sys.argv[1], "r")                # holds HDF5's shared lock on the log
+print("open", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_reader_does_not_make_a_resume_fail(tmp_path):
+    """A reader holding the log open (HDF5's shared lock) made --resume fail with a lock
+    error after 5 s."""
+    out = tmp_path / "run"
+    assert train(out, "--iterations", 3) == 0
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER),
+                             str(out / "log.h5")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "open"
+        assert train(out, "--iterations", 6, "--resume") == 0
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    assert iterations(out) == list(range(6))
+
+
+# ------------------------------------------------------------------ restart files checked
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A run of 6 iterations: restart.pt at 6 and a log of 6 rows."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert train(out, "--iterations", 6, "--set", "checkpoint_every=3") == 0
+    return out
+
+
+def _copy(finished, tmp_path, change=None) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    if change is not None:
+        state = torch.load(out / "restart.pt", weights_only=True)
+        state = change(state)
+        torch.save(state, out / "restart.pt")
+    return out
+
+
+def _set(key, value):
+    def change(state):
+        state[key] = value
+        return state
+    return change
+
+
+def _drop(key):
+    def change(state):
+        del state[key]
+        return state
+    return change
+
+
+def _model(fn):
+    def change(state):
+        fn(state["model"])
+        return state
+    return change
+
+
+def _rng(state):
+    state["rng"]["torch"] = torch.zeros(10, dtype=torch.uint8)
+    return state
+
+
+def _opt_groups(state):
+    state["optimizer"]["param_groups"] = []
+    return state
+
+
+def _opt_shape(state):
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
+    return state
+
+
+BAD_RESTARTS = [
+    ("missing model key", _model(lambda m: m.pop("rate")), "the model state has missing rate"),
+    ("extra model key", _model(lambda m: m.update(extra=torch.zeros(1))), "unexpected extra"),
+    ("model shape", _model(lambda m: m.update(rate=torch.zeros(3))),
+     r"shape rate \(3,\) in the restart, \(\) in the model"),
+    ("wrong rng", _rng, "the RNG state does not fit"),
+    ("no model", _drop("model"), "not a complete restart file: no 'model'"),
+    ("no rng", _drop("rng"), "no 'rng'"),
+    ("no optimizer", _drop("optimizer"), "no 'optimizer'"),
+    ("model not a dict", _set("model", 3), "'model' is a int, not a dict"),
+    ("rng not a dict", _set("rng", [1, 2]), "'rng' is a list, not a dict"),
+    ("optimizer groups", _opt_groups, "0 parameter group"),
+    ("optimizer moments", _opt_shape, r"exp_avg of parameter 0 has shape \(3,\)"),
+    ("negative iteration", _set("iteration", -5), "'iteration' is -5"),
+    ("string iteration", _set("iteration", "3"), "'iteration' is str 3, not an integer"),
+    ("iteration past the log", _set("iteration", 9), "is at iteration 9 but .* has 6 rows"),
+    ("iteration past the run", _set("iteration", 10**9), "past iterations=12"),
+    ("zero iteration with a trained optimizer", _set("iteration", 0),
+     "the optimizer has taken 6 steps"),
+    ("not a dict", lambda s: [1, 2, 3], "not a restart file"),
+]
+
+
+@pytest.mark.parametrize("name,change,match", BAD_RESTARTS, ids=[b[0] for b in BAD_RESTARTS])
+def test_restart_files_that_do_not_fit_give_one_line(finished, tmp_path, capsys, name, change,
+                                                     match):
+    """Loadable but wrong restart files ended in tracebacks, or deleted log rows on the
+    strength of their iteration (-5: all 12 rows; 0: re-logged with the iteration-12
+    model). Now: one line naming what does not fit, and the log is left as it was."""
+    import re
+
+    out = _copy(finished, tmp_path, change)
+    before = (out / "log.h5").read_bytes()
+    capsys.readouterr()
+    assert train(out, "--iterations", 12, "--resume") == 2
+    msg = one_line_error(capsys)
+    assert re.search(match, msg), msg
+    assert "restart.pt" in msg
+    assert (out / "log.h5").read_bytes() == before
+    assert iterations(out) == list(range(6))
+
+
+def test_garbage_restart_file(finished, tmp_path, capsys):
+    out = _copy(finished, tmp_path)
+    (out / "restart.pt").write_bytes(os.urandom(300))
+    assert train(out, "--iterations", 12, "--resume") == 2
+    assert "cannot read the restart file" in one_line_error(capsys)
+    assert iterations(out) == list(range(6))
+
+
+def test_a_changed_or_different_problem_file(finished, tmp_path, capsys):
+    """A modified problem file whose model still fits resumes with a one-line warning
+    naming both hashes; a different problem (another model) is refused with one line that
+    names what does not match and the recorded hash."""
+    import hashlib
+
+    out = _copy(finished, tmp_path)
+    recorded = torch.load(out / "restart.pt", weights_only=True)["problem_sha256"]
+    assert recorded == hashlib.sha256(Path(TINY).read_bytes()).hexdigest()
+    changed = tmp_path / "tiny_changed.py"
+    changed.write_text(Path(TINY).read_text() + "\n# a comment changes the hash\n")
+    capsys.readouterr()
+    assert cli("train", changed, "--out", out, "--quiet", "--iterations", 8, "--resume") == 0
+    err = capsys.readouterr().err
+    warning = [ln for ln in err.splitlines() if "warning" in ln]
+    assert len(warning) == 1 and f"recorded sha256 {recorded}" in warning[0], err
+    assert iterations(out) == list(range(8))
+
+    out2 = _copy(finished, tmp_path / "b")
+    other = tmp_path / "other.py"
+    other.write_text(textwrap.dedent("""
+        import torch
+        import deepsolve
+
+        class Other(deepsolve.Problem):
+            defaults = {"iterations": 12}
+
+            def build(self, ctx):
+                ctx.model = torch.nn.Linear(2, 1).to(ctx.dtype)
+
+            def residuals(self, ctx, iteration):
+                return {"w": ctx.model.weight.pow(2).sum()}
+
+        problem = Other()
+    """))
+    assert cli("train", other, "--out", out2, "--quiet", "--resume") == 2
+    msg = one_line_error(capsys)
+    assert "missing weight, bias" in msg and "unexpected rate" in msg
+    assert f"written for a problem file with sha256 {recorded}" in msg
+    assert iterations(out2) == list(range(6))
+
+
+# ------------------------------------------------------------------ full disks, temporaries
+
+
+def test_a_full_disk_leaves_no_restart_temporary(tmp_path, monkeypatch, capsys):
+    """ENOSPC while writing restart.pt: the temporary file is removed, the previous restart
+    file stays, the error is one line; the run then resumes from that restart file."""
+    out = tmp_path / "run"
+    real = torch.save
+    calls = {"n": 0}
+
+    def full(obj, f, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:                   # the second restart file
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full)
+    assert train(out, "--iterations", 6, "--set", "checkpoint_every=3") == 2
+    msg = one_line_error(capsys)
+    assert "cannot write the restart file at iteration 6 (No space left on device)" in msg
+    assert "the previous restart file is intact" in msg
+    assert sorted(p.name for p in out.iterdir()) == ["log.h5", "restart.pt"]
+    assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 3
+    monkeypatch.setattr(torch, "save", real)
+    assert train(out, "--iterations", 6, "--resume") == 0
+    assert iterations(out) == list(range(6))
+
+
+def test_stale_temporaries_are_removed_at_the_next_start(tmp_path):
+    from deepsolve.train import remove_stale_temporaries
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        d = tmp_path / "d"
+        d.mkdir()
+        for name in (f"restart.pt.tmp-{dead.pid}", f"log.h5.tmp-{dead.pid}",
+                     f"restart.pt.tmp-{live.pid}", "notes.txt"):
+            (d / name).write_bytes(b"x")
+        removed = remove_stale_temporaries(str(d))
+        assert sorted(removed) == sorted([f"restart.pt.tmp-{dead.pid}", f"log.h5.tmp-{dead.pid}"])
+        assert sorted(p.name for p in d.iterdir()) == ["notes.txt", f"restart.pt.tmp-{live.pid}"]
+    finally:
+        live.kill()
+        live.wait()
+    out = tmp_path / "run"
+    assert train(out, "--iterations", 3) == 0
+    for name in (f"restart.pt.tmp-{dead.pid}", f"restart.pt.tmp-{live.pid}", "log.h5.tmp-1"):
+        (out / name).write_bytes(b"stale")
+    assert train(out, "--iterations", 4, "--resume") == 0   # holds the lock: all are stale
+    assert sorted(p.name for p in out.iterdir()) == ["log.h5", "restart.pt"]
+
+
+# ------------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize("setting,match", [
+    ("grad_clip=-1", "grad_clip=-1.0 is out of range: grad_clip must be >= 0"),
+    ("grad_clip=nan", "grad_clip=nan is not a finite number"),
+    ("lr=-0.1", "lr=-0.1 is out of range"),
+    ("checkpoint_every=0", "checkpoint_every=0 is out of range: checkpoint_every must be >= 1"),
+    ("memory_every=-2", "memory_every=-2 is out of range"),
+    ("eval_every=-1", "eval_every=-1 is out of range"),
+    ("steps=-3", "steps=-3 is out of range"),
+])
+def test_settings_out_of_range_are_refused(tmp_path, capsys, setting, match):
+    """--set grad_clip=-1 was accepted and flipped the gradient."""
+    out = tmp_path / "run"
+    assert train(out, "--iterations", 2, "--set", setting) == 2
+    assert match in one_line_error(capsys)
+    assert not out.exists()                  # nothing was made for an invalid run
+
+
+def test_an_invalid_problem_leaves_no_run_directory(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import deepsolve\nclass P(deepsolve.Problem):\n"
+                   "    def build(self, ctx):\n        ctx.model = 3\n"
+                   "    def residuals(self, ctx, it):\n        return {}\nproblem = P()\n")
+    out = tmp_path / "run"
+    assert cli("train", bad, "--out", out, "--quiet") == 2
+    assert "must set ctx.model" in one_line_error(capsys)
+    assert not out.exists()
+
+
+def test_out_at_a_file_is_one_line(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert train(f, "--iterations", 1) == 2
+    assert f"--out {f}: cannot make the run directory" in one_line_error(capsys)
+    assert np.array_equal(f.read_text(), "x")
