@@ -67,6 +67,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from .memory import BudgetError
 from .schedules import Schedule, periodic, revolve
 from .unroll import UnrollStats, unroll
 
@@ -477,10 +478,13 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
                               for y in _leaves(res)]
                     grads = (_grad(loss, tensors, need) if loss is not None
                              else [None] * len(need))
+                except BudgetError:  # the run's budget does not fit: bad input, not a finding
+                    raise
                 except Exception as e:  # store_all ran: a failure here is a finding
                     text = str(e).splitlines()[0] if str(e) else ""
                     failed[label] = f"{type(e).__name__}: {text}".rstrip(": ")
-                    schedules[label] = stats.schedule or repr(kw.get("schedule", "?"))
+                    schedules[label] = stats.schedule or ", ".join(
+                        f"{k}={v!r}" for k, v in kw.items() if k in _SCHEDULE_KW) or "?"
                     del results[label]
                     break
                 finally:

@@ -217,6 +217,9 @@ def test_check_with_a_budget_and_a_horizon(capsys):
     assert "--steps 0" in capsys.readouterr().err
     assert main(["check", os.path.join(HERE, "data", "no_such_problem.py")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+    assert main(["check", TINY, "--budget", "1B"]) == 2  # a budget nothing fits: bad input
+    err = capsys.readouterr().err
+    assert err.startswith("deepsolve check: error: the budget") and err.count("\n") == 1
 
 
 SHIPPED = {
