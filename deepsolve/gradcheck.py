@@ -679,6 +679,9 @@ def _check_unroll(problem_path: str, ctx, c: _Captured, steps: int | None,
         raise ValueError(f"{problem_path}: its unroll has no fixed length (until=); check "
                          "needs a fixed number of steps")
     n_run = int(c.n)
+    if n_run < 1:
+        raise ValueError(f"{problem_path} unrolls {n_run} steps: nothing to check "
+                         "(give --set steps=N with N >= 1)")
     if steps is None:
         steps = min(DEFAULT_STEPS, n_run)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
