@@ -4,10 +4,17 @@
 builds its model and data, and runs the optimisation loop. Each iteration appends one row to
 ``RUN_DIR/log.h5`` (loss terms, times, peak memory, step counts, schedule, learning rate,
 gradient norm, metrics); every ``checkpoint_every`` iterations, at the end, and when SIGTERM or
-SIGUSR1 arrives (batch systems send these before killing a job) it writes
-``RUN_DIR/restart.pt`` atomically. ``resume=True`` continues from the restart file and
-drops log rows written after it, so the iteration column stays complete and strictly
-increasing.
+SIGUSR1 arrives (batch systems send these before killing a job) it flushes the log and then
+writes ``RUN_DIR/restart.pt`` atomically, so the log always holds the restart file's rows.
+
+A run directory has one writer (an exclusive ``flock`` on it, released by the kernel however
+the trainer ends). A start decides from what the directory holds, before changing anything:
+no restart file — start at iteration 0 (a log without one, from a run stopped before its first
+restart file, is replaced); a restart file — refused without ``--resume``; with it, the file's
+fields are checked (types, ranges, iteration <= the log's rows) and matched against the run
+(model keys and shapes, optimiser groups, RNG states) before the log is touched, then the log
+rows after it are dropped, so the iteration column stays complete and strictly increasing.
+See docs/problems.md.
 """
 
 from __future__ import annotations

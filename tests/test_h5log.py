@@ -556,8 +556,8 @@ def test_no_half_made_log_when_the_disk_is_full(tmp_path, monkeypatch):
 
 
 def test_empty_and_never_flushed_logs_are_empty_not_broken(tmp_path):
-    """A 0-byte log.h5 (left by "no space" at creation) and a log whose writer (deepsolve
-    < 0.2) stopped in its first flush read as EmptyLogError and resume as new logs."""
+    """A 0-byte log.h5 (left by "no space" at creation) and a log whose writer (an earlier
+    deepsolve) stopped in its first flush read as EmptyLogError and resume as new logs."""
     p = tmp_path / "log.h5"
     p.write_bytes(b"")
     with pytest.raises(H.EmptyLogError, match="0 bytes"):

@@ -112,6 +112,27 @@ def test_a_zero_byte_or_never_flushed_log_is_no_obstacle(tmp_path, capsys):
         assert iterations(out) == [0, 1, 2]
 
 
+def test_sigterm_while_the_run_is_set_up(tmp_path, capsys):
+    """A SIGTERM while the problem is being built (before any iteration): the trainer
+    stops before its first iteration with a restart file at iteration 0, exit 75, and
+    --resume trains the whole run."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    proc = _gated(out, gate, 0, "--iterations", "5", "--set", "gate_build=true")
+    try:
+        _wait_for(f"{gate}.waiting", proc)
+        proc.send_signal(signal.SIGTERM)
+        gate.touch()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 75, err
+    assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 0
+    assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 5, "--resume") == 0
+    assert iterations(out) == list(range(5))
+
+
 # ------------------------------------------------------------------------- one writer
 
 

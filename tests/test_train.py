@@ -164,18 +164,25 @@ def test_sigterm_then_resume_gives_a_complete_log(tmp_path):
 
 
 def test_resume_drops_rows_after_the_restart_file(tmp_path):
-    """Rows logged after the last restart file are re-run, not duplicated."""
-    out = tmp_path / "run"
-    assert run_cli("train", TINY, "--out", out, "--iterations", 7, "--quiet",
-                   "--set", "checkpoint_every=3") == 0
-    # pretend the run died after iteration 6 was logged but the restart was from iteration 6
-    import torch
+    """Rows logged after the restart file are re-run, not duplicated: a log of 10 rows with
+    the restart file of iteration 6 (as after a kill between a flush and the next restart
+    file) resumes to the log and losses of an uninterrupted run."""
+    import shutil
 
-    state = torch.load(out / "restart.pt", weights_only=True)
-    state["iteration"] = 6
-    torch.save(state, out / "restart.pt")
+    out = tmp_path / "run"
+    assert run_cli("train", TINY, "--out", out, "--iterations", 6, "--quiet",
+                   "--set", "checkpoint_every=3") == 0
+    shutil.copy(out / "restart.pt", tmp_path / "restart-6.pt")
     assert run_cli("train", TINY, "--out", out, "--iterations", 10, "--quiet", "--resume") == 0
-    np.testing.assert_array_equal(read_log(out / "log.h5").columns["iteration"], np.arange(10))
+    assert read_log(out / "log.h5").n_rows == 10
+    shutil.copy(tmp_path / "restart-6.pt", out / "restart.pt")
+    assert run_cli("train", TINY, "--out", out, "--iterations", 10, "--quiet", "--resume") == 0
+    log = read_log(out / "log.h5")
+    np.testing.assert_array_equal(log.columns["iteration"], np.arange(10))
+    assert run_cli("train", TINY, "--out", tmp_path / "ref", "--iterations", 10,
+                   "--quiet") == 0
+    ref = read_log(tmp_path / "ref" / "log.h5")
+    np.testing.assert_allclose(log.columns["loss"], ref.columns["loss"], rtol=1e-6)
 
 
 def test_report_writes_pngs_and_rejects_corrupt_logs(tmp_path, capsys):

@@ -250,7 +250,7 @@ def _open_for_reading(path: Path, locking: bool | None) -> tuple[h5py.File, bool
         raise
     except OSError as e:
         if "not already open for SWMR writing" in str(e):
-            # written by deepsolve < 0.2, whose writer switched to SWMR after creating the
+            # written by an earlier deepsolve, whose writer switched to SWMR after creating the
             # datasets in the log itself: no row can have been flushed yet
             raise EmptyLogError(
                 f"{path}: the writer stopped before the log's first complete flush (file left "
