@@ -25,6 +25,12 @@ cached, everything else is recomputed from the step's input when its backward ru
 to tapes that are *kept* (``Record`` ranges and the store-all graph); a step reversed as soon
 as it is recorded gains nothing from it, since its backward recomputes the full tape at once.
 ``snapshot_dtype`` (opt-in, inexact) stores snapshots rounded to a smaller float type.
+
+Trust: the executor believes neither the schedule nor the step. Every action is checked
+against the interpreter's state before it runs (``_Executor``), every state a step returns
+against the forward sweep's structure, shapes, dtypes and devices (``_Step``), every recorded
+step's graph against the tensors being differentiated (``_unseen_leaf``), and state leaves
+returned as constants are checked to stay constants; each misfit is a one-line error.
 """
 
 from __future__ import annotations
@@ -189,13 +195,14 @@ class _Step:
     def __call__(self, leaves: list[torch.Tensor], i: int):
         """Returns ``(next_leaves, output_leaves)``: the hot path; the structure is checked
         by the flattening, shapes and dtypes by :meth:`fast_check`."""
-        res = self.fn(self._unflat(leaves), i)
+        spec = self.spec
+        res = self.fn(leaves[0] if spec is None else self._unflat(leaves), i)
         if self.has_output:
             nxt, out = res
             out = [out] if isinstance(out, torch.Tensor) else pytree.tree_leaves(out)
         else:
             nxt, out = res, ()
-        if self.spec is None:
+        if spec is None:
             return [nxt], out
         flat = self._flat(nxt)
         if flat is None:
@@ -926,11 +933,12 @@ class _Executor:
     :func:`deepsolve.schedules.check` does on symbolic states: the index ``at`` of the state
     held (``-1``: none), the slots' contents, and the adjoint position ``adj`` (the adjoint
     ``dL/dx_adj`` is held; it starts at ``n``). ``Advance(a, b)``/``Record(a, b)`` need
-    ``at == a`` and ``a < b <= n`` (``b <= adj`` for ``Record``), ``Store(s, i)`` needs
-    ``at == i`` and an empty slot, ``Restore``/``Free(s, i)`` a slot holding ``x_i``,
-    ``Reverse(i)`` needs ``i == adj - 1`` and ``at == i`` or a kept tape of step ``i``; at the
-    end ``adj == 0``, so every step was reversed exactly once. Each check is one or two
-    integer comparisons (plus the slot lookup the action makes anyway); a misfit raises a
+    ``at == a`` and ``0 <= a < b <= n`` (``b <= adj`` for ``Record``: steps ``>= adj`` are
+    reversed already), ``Store(s, i)`` needs ``at == i >= 0`` and an empty slot,
+    ``Restore``/``Free(s, i)`` a slot holding ``x_i``, ``Reverse(i)`` needs
+    ``i == adj - 1 >= 0`` and ``at == i`` or a kept tape of step ``i``; at the end
+    ``adj == 0``, so every step was reversed exactly once. Each check is one or two integer
+    comparisons (plus the slot lookup the action makes anyway); a misfit raises a
     :class:`ScheduleError`."""
 
     def __init__(self, step: _Step, schedule: Schedule, n_steps: int, n_state: int,
