@@ -170,10 +170,18 @@ def test_profile_measures_the_tape_under_each_policy():
     alls = profile_step(step, x0, repeats=1, policy="recompute_all")
     S_ = plain.state_bytes
     assert plain.tape_bytes >= 4 * S_  # h, sin h, cos h, exp(...)
-    assert keep.tape_bytes == S_  # only h = x @ W is kept
-    assert alls.tape_bytes == 0
+    # only h = x @ W is kept (and the CPU RNG state the checkpoint stashes, about 5 KB)
+    assert S_ <= keep.tape_bytes <= S_ + 8192
+    assert alls.tape_bytes <= 8192
+    # measured live bytes: what a kept step holds after its forward (its output state and
+    # the policy's cache), and the peak of its backward, which recomputes what was dropped
+    assert plain.kept_bytes >= 5 * S_
+    assert 2 * S_ <= keep.kept_bytes <= 2 * S_ + 8192 and S_ <= alls.kept_bytes <= S_ + 8192
+    assert keep.saves >= 1  # it kept the product's output
     for q in (keep, alls):
-        assert q.base_tape_bytes == plain.tape_bytes and q.reverse_extra == plain.tape_bytes
+        assert q.base_tape_bytes == plain.tape_bytes
+        assert q.base_reverse_bytes == plain.reverse_bytes
+        assert q.reverse_bytes >= plain.tape_bytes  # the recomputed tape exists in backward
         assert q.state_bytes == S_ and q.t_advance == plain.t_advance
     assert profile_step(step, x0, policy="save_expensive") is keep  # cached per policy name
     assert predicted_peak(keep, 100, "store_all") < predicted_peak(plain, 100, "store_all") / 2
@@ -183,8 +191,11 @@ def test_planner_takes_a_policy_when_it_pays_and_explains_it():
     step, x0 = pointwise_heavy()
     p = profile_step(step, x0, repeats=1)
     # a policy that is cheap in time: the planner should keep every step under it
+    # (and a step whose recomputation is dear: an unrecorded step costs a recorded one)
+    p = dataclasses.replace(p, t_advance=p.t_record + p.t_backward)
     q = dataclasses.replace(p, policy="save_expensive", tape_bytes=p.state_bytes,
-                            base_tape_bytes=p.tape_bytes, t_record=p.t_record * 1.01)
+                            kept_bytes=2 * p.state_bytes, chain_bytes=2 * p.state_bytes,
+                            base_tape_bytes=p.tape_bytes, t_record=p.t_record * 1.01, saves=1)
     n = 200
     budget = (predicted_peak(q, n, "store_all") + predicted_peak(p, n, "store_all")) // 2
     plain = choose(p, n, budget)
@@ -289,9 +300,10 @@ def test_compiled_policy_under_a_budget_is_exact(reference, compiled_fft):
                     strict=True):
         assert rel(g, r) <= 1e-10
     plan = st.extra["plan"]
-    assert plan.policy is compiled_fft and plan.predicted_peak <= budget
-    assert plan.kind in ("store_all", "revolve_tail")
-    assert "compiled:save_fft" in plan.explain()
+    assert plan.predicted_peak <= budget
+    if plan.kind in ("store_all", "revolve_tail"):  # kept tapes: the caller's object
+        assert plan.policy is compiled_fft
+    assert "compiled:save_fft" in plan.explain()  # weighed, whether it paid or not
 
 
 def test_compiled_policy_bad_input_is_one_line_errors():

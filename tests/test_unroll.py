@@ -546,11 +546,12 @@ def test_until_edge_cases_and_errors():
 
 
 def test_until_with_a_budget_keeps_memory_bounded():
-    from deepsolve.memory import profile_step
+    from deepsolve.memory import predicted_peak, profile_step
 
     step, x0, params, loss = make_reaction_diffusion()
     prof = profile_step(step, x0)
-    budget = prof.tape_bytes + prof.working_bytes + 6 * prof.state_bytes
+    need = predicted_peak(prof, 0, "revolve", 1) + prof.state_bytes  # x_{i-1} beside x_i
+    budget = need + 6 * prof.state_bytes
     st = UnrollStats()
     y = unroll(step, x0, until=lambda x, i: i >= 80, budget=budget, stats=st)
     ref = plain_grads(step, x0, params, loss, 80)
@@ -558,5 +559,5 @@ def test_until_with_a_budget_keeps_memory_bounded():
     for a, b in zip(got, ref, strict=True):
         assert rel_err(a, b) <= 1e-10
     s = st.extra["online_snapshots"]
-    assert (s - 1) * prof.state_bytes + prof.tape_bytes + prof.working_bytes <= budget
+    assert s == 7 and (s - 1) * prof.state_bytes + need <= budget
     assert st.snapshot_bytes_peak <= (s - 1) * prof.state_bytes

@@ -1,30 +1,48 @@
 """The planner: from a measured step profile, a chain length and a memory budget to a schedule.
 
-Memory model (bytes the unroll adds at its peak; the caller's parameters and initial state
-are not counted). With S the state, S' a snapshot (S, or less with ``snapshot_dtype``), T the
-tape of one recorded step, O one step's output, W = 3 S + P + scratch the working set of the
-reverse sweep (current state, two adjoints, parameter gradients P, measured scratch)::
+Memory model: the bytes the unroll adds to the process's peak, everything included — what
+the schedule keeps, the working set of the step being run, and the adjoints, states and
+gradients around it (the caller's parameters and initial state are not counted). From the
+profile (:mod:`deepsolve.memory.profiling`, all *measured* as live allocator bytes): S a
+state, S' a snapshot (S, or less with ``snapshot_dtype``), A the peak of an unrecorded step,
+K what a recorded step keeps once its forward returns, M the peak of recording a step and
+running its backward, C what one more step adds to a plain autograd chain, P the parameter
+gradients, O one step's outputs; W = max(A, M) the working set of a step advanced, or
+recorded and reversed at once::
 
-    store_all        n (T + S) + W + n O          (the graph keeps every step and its input)
-    revolve(s)       (s - 1) S' + T + W + n O     (x_0 is the caller's; one recorded step)
-    mixed(u)         u S + T + W + n O            (u units hold states or kept tapes)
-    two_level(s, m)  (s - 1) S' + T + W + n O     (+ m states in host RAM or on disk)
-    revolve_tail(s, m) (s - 1) S' + m (T + S) + W + n O  (the last m steps kept recorded)
+    store_all        (n - 1) C + M + S + 2 P + 2 n O
+    revolve(s)       (s - 1) S' + W + 4 S + 2 P + 2 n O
+    two_level(s, m)  (s - 1) S' + W + 4 S + 2 P + 2 n O    (+ m states in host RAM or on disk)
+    mixed(u)         u S + W + 4 S + 2 P + 2 n O           (u units hold states or kept tapes)
+    revolve_tail(s, m)  max((s - 1) S' + m K + (M - K) + 3 S,  revolve(s)'s)  + 2 P + 2 n O
 
-A recomputation policy p (selective activation checkpointing of kept tapes) replaces T by its
-smaller kept tape T_p in ``store_all`` and ``revolve_tail``, and adds the transient T of
-recomputing the tape being reversed: ``n (T_p + S) + T + W + n O`` and
-``(s - 1) S' + m (T_p + S) + T + W + n O``. Steps reversed as soon as they are recorded
-(revolve, two-level, mixed) run without a policy.
+``4 S`` are the state being advanced or recorded, the final state ``x_n`` the caller holds,
+the caller's adjoint of it (held by autograd through the whole reverse sweep) and the adjoint
+``lambda_{i+1}`` being pulled; ``2 P`` the accumulated parameter gradients and the sum being
+formed; ``2 n O`` the stacked per-step outputs and their gradients. A store-all chain holds
+its states inside its tapes (C), a recorded tail holds ``m`` kept steps (``m K``, the first
+input ``S`` beside them) and reverses each with ``M - K`` on top.
+
+A recomputation policy p (selective activation checkpointing of kept tapes) replaces K, C
+and M by those measured with the step recorded under it (``K_p``, ``C_p``, ``M_p``; its
+backward recomputes what the policy drops) in ``store_all`` and ``revolve_tail``. Steps
+reversed as soon as they are recorded (revolve, two-level, mixed) run without a policy.
 
 Time model, relative to one forward + backward of the plain unroll
 ``n (t_record + t_backward)``: a schedule costs ``advances * t_advance + n (t_record +
 t_backward)`` plus I/O for a second storage level; the ``m`` kept steps under a policy cost
-its ``t_record + t_backward`` instead.
+its ``t_record + t_backward`` instead, but at least the plain step's plus a floor for the
+recomputation (``t_advance`` for a policy that keeps nothing, a quarter of it times the
+dropped fraction of the kept bytes otherwise).
 
-The planner takes store-all when it fits; otherwise the cheapest (schedule, policy) pair that
-fits; and raises :class:`~deepsolve.memory.budget.BudgetError` with the minimum budget when
-nothing does.
+Choosing: store-all when it fits; otherwise revolve with the most snapshots that fit, a
+recorded tail when it needs fewer recomputations, mixed checkpointing when it needs fewer
+evaluations — these compare exact step counts, so the choice does not depend on timing
+noise —, and a policy or a second storage level only when predicted at least 10 % faster
+(measured times are noisy; a budget gives one plan). A policy is weighed only where it
+changes something: one that keeps nothing on this step (``"save_fft"`` without FFTs) is
+``"recompute_all"`` and weighed once, one that keeps as much as plain autograd not at all.
+:class:`~deepsolve.memory.budget.BudgetError` states the minimum budget when nothing fits.
 """
 
 from __future__ import annotations
@@ -32,6 +50,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ..schedules import (
     Schedule,
@@ -45,11 +65,12 @@ from ..schedules import (
     two_level,
     two_level_cost,
 )
+from .allocator import return_freed_memory
 from .budget import BudgetError, format_bytes
 from .profiling import StepProfile
 
 __all__ = ["Plan", "Alternative", "SlowLevel", "plan", "choose", "predicted_peak",
-           "measure_level", "online_snapshots"]
+           "peak_terms", "weighed_policies", "measure_level", "online_snapshots"]
 
 
 @dataclass
@@ -84,6 +105,9 @@ class Plan:
             :data:`deepsolve.executor.POLICIES`, or the policy object the caller gave).
         policies: profiles of the recorded step under the policies weighed.
         snapshot_dtype: the dtype snapshots are stored in (``None``: the state's own).
+        terms: the predicted peak's terms (:func:`peak_terms`: snapshots, kept tapes, the
+            step's working set, adjoints and states, parameter gradients, stacked outputs);
+            they sum to ``predicted_peak``.
     """
 
     kind: str
@@ -101,22 +125,27 @@ class Plan:
     policy: Any = "none"
     policies: list[StepProfile] = field(default_factory=list)
     snapshot_dtype: Any = None
+    terms: dict[str, int] = field(default_factory=dict)
 
     def explain(self) -> str:
-        """A short table of the alternatives weighed and why this plan was chosen."""
+        """A short table of the alternatives weighed, the chosen plan's peak term by term,
+        and why it was chosen."""
         p = self.profile
+        how = "measured" if p.measured else "estimated (the profiler was busy)"
         lines = [
             f"budget {format_bytes(self.budget)} for {self.n_steps} steps; measured step: "
-            f"state {format_bytes(p.state_bytes)}, recorded step {format_bytes(p.tape_bytes)}"
-            f", outputs {format_bytes(p.output_bytes)}/step, working set "
-            f"{format_bytes(p.working_bytes)}; t_advance {p.t_advance * 1e3:.3g} ms, "
+            f"state {format_bytes(p.state_bytes)}, tape {format_bytes(p.tape_bytes)}, kept "
+            f"after recording {format_bytes(p.kept_bytes)}, outputs "
+            f"{format_bytes(p.output_bytes)}/step; working set ({how}): advance "
+            f"{format_bytes(p.advance_bytes)}, record + reverse {format_bytes(p.reverse_bytes)}"
+            f"; t_advance {p.t_advance * 1e3:.3g} ms, "
             f"t_record+backward {(p.t_record + p.t_backward) * 1e3:.3g} ms",
         ]
         for q in self.policies:
             lines.append(
-                f"recorded step under policy {q.policy}: keeps {format_bytes(q.tape_bytes)} "
-                f"({q.tape_bytes / max(p.tape_bytes, 1):.0%} of the plain tape; its backward "
-                f"recomputes up to {format_bytes(q.reverse_extra)} more), t_record+backward "
+                f"recorded step under policy {q.policy}: keeps {format_bytes(q.kept_bytes)} "
+                f"({q.kept_bytes / max(p.kept_bytes, 1):.0%} of the plain step), record + "
+                f"reverse {format_bytes(q.reverse_bytes)}, t_record+backward "
                 f"{(q.t_record + q.t_backward) * 1e3:.3g} ms")
         if p.snapshot_bytes is not None:
             lines.append(f"snapshots stored as {self.snapshot_dtype or 'a smaller dtype'}: "
@@ -128,9 +157,10 @@ class Plan:
                          f"{'yes' if a.fits else 'no '}  {a.note}")
         lines += ["", f"chosen: {self.describe()} — {self.reason}",
                   f"recomputation policy for kept tapes: {_name(self.policy)}",
-                  f"predicted peak {format_bytes(self.predicted_peak)}, time "
-                  f"{self.predicted_time:.2f}x the plain unroll, recompute factor "
-                  f"{self.recompute_factor:.2f}"]
+                  f"predicted peak {format_bytes(self.predicted_peak)} (what the unroll adds "
+                  f"to the process's peak), time {self.predicted_time:.2f}x the plain unroll, "
+                  f"recompute factor {self.recompute_factor:.2f}"]
+        lines += [f"  {name:<28} {format_bytes(v):>12}" for name, v in self.terms.items()]
         return "\n".join(lines)
 
     def describe(self) -> str:
@@ -153,48 +183,102 @@ def _tag(policy: str) -> str:
     return "" if policy == "none" else f" [{policy}]"
 
 
-def predicted_peak(profile: StepProfile, n_steps: int, kind: str, slots: Any = 0) -> int:
-    """Bytes the unroll adds at its peak under the memory model of this module. For a
-    profile measured under a policy, ``store_all`` and ``revolve_tail`` keep its tapes."""
-    p = profile
-    outs = n_steps * p.output_bytes
+def peak_terms(profile: StepProfile, n_steps: int, kind: str, slots: Any = 0) -> dict[str, int]:
+    """The terms of the predicted peak (bytes) of a schedule of ``kind`` under the memory
+    model of this module; they sum to :func:`predicted_peak`. ``slots``: snapshot slots
+    ``s`` (revolve, two-level), ``(s, m)`` (revolve_tail), units ``u`` (mixed). For a
+    profile measured under a policy, ``store_all`` and ``revolve_tail`` keep their tapes
+    under it."""
+    p, n = profile, n_steps
+    S = p.state_bytes
+    terms: dict[str, int] = {}
     if kind == "store_all":
-        return (n_steps * (p.tape_bytes + p.state_bytes) + p.reverse_extra + p.working_bytes
-                + outs)
-    if kind in ("revolve", "two_level"):
-        return max(slots - 1, 0) * p.slot_bytes + p.plain_tape_bytes + p.working_bytes + outs
-    if kind == "revolve_tail":
+        terms["kept tapes"] = max(n - 1, 0) * p.chain_bytes
+        terms["working set of the step"] = p.reverse_bytes
+        terms["adjoints and states"] = S
+    elif kind in ("revolve", "two_level", "mixed"):
+        if kind == "mixed":
+            terms["snapshots and kept tapes"] = slots * S
+        else:
+            terms["snapshots"] = max(slots - 1, 0) * p.slot_bytes
+        terms["working set of the step"] = p.step_bytes
+        terms["adjoints and states"] = 4 * S
+    elif kind == "revolve_tail":
         s, m = slots
-        return (max(s - 1, 0) * p.slot_bytes + max(m, 1) * p.tape_bytes + m * p.state_bytes
-                + p.reverse_extra + p.working_bytes + outs)
-    if kind == "mixed":
-        return slots * p.state_bytes + p.plain_tape_bytes + p.working_bytes + outs
-    raise ValueError(f"unknown schedule kind {kind!r}")
+        snaps = max(s - 1, 0) * p.slot_bytes
+        tail = m * p.kept_bytes + max(p.reverse_bytes - p.kept_bytes, 0) + 3 * S
+        head = p.step_bytes + 4 * S
+        terms["snapshots"] = snaps
+        if tail >= head:
+            terms["kept tapes"] = m * p.kept_bytes
+            terms["working set of the step"] = max(p.reverse_bytes - p.kept_bytes, 0)
+            terms["adjoints and states"] = 3 * S
+        else:  # the revolve part after the tail is the larger
+            terms["kept tapes"] = 0
+            terms["working set of the step"] = p.step_bytes
+            terms["adjoints and states"] = 4 * S
+    else:
+        raise ValueError(f"unknown schedule kind {kind!r}")
+    terms["parameter gradients"] = 2 * p.grad_bytes
+    terms["stacked outputs"] = 2 * n * p.output_bytes
+    return terms
+
+
+def predicted_peak(profile: StepProfile, n_steps: int, kind: str, slots: Any = 0) -> int:
+    """Bytes the unroll adds at its peak under the memory model of this module (the sum of
+    :func:`peak_terms`)."""
+    return sum(peak_terms(profile, n_steps, kind, slots).values())
+
+
+def _fixed(p: StepProfile, n: int) -> int:
+    """The terms every schedule pays whatever it keeps: gradients and stacked outputs."""
+    return 2 * p.grad_bytes + 2 * n * p.output_bytes
+
+
+def _revolve_slots(p: StepProfile, n: int, budget: int) -> int:
+    """The most snapshot slots (``x_0`` included) whose revolve fits; 0 when none does."""
+    room = budget - predicted_peak(p, n, "revolve", 1)
+    if room < 0:
+        return 0
+    if p.slot_bytes <= 0:
+        return max(n - 1, 1)
+    return int(min(1 + room // p.slot_bytes, max(n - 1, 1)))  # n - 1 slots: no recomputation
 
 
 def _best_tail(p: StepProfile, n: int, budget: int,
                q: StepProfile | None = None) -> tuple[int, int, int] | None:
-    """``(snapshots, tail, advances)`` of the fastest revolve-with-recorded-tail that fits,
-    its tail recorded under ``q``'s policy (default: ``p``'s), or ``None`` when no tail of two
-    steps or more fits."""
+    """``(snapshots, tail, advances)`` of the revolve-with-recorded-tail that fits with the
+    fewest recomputations, its tail recorded under ``q``'s policy (default: ``p``'s), or
+    ``None`` when no tail of two steps or more fits. Ties go to the shorter tail."""
     q = p if q is None else q
-    kept = q.tape_bytes + q.state_bytes  # a kept tape holds its input state too
-    room = budget - p.working_bytes - n * p.output_bytes - q.reverse_extra
-    if kept <= 0 or p.slot_bytes <= 0 or room < 2 * kept:
+    kept, S = q.kept_bytes, p.state_bytes
+    if kept <= 0 or p.slot_bytes <= 0:
         return None
-    m_max = min(n, room // kept)
+    s_head = _revolve_slots(p, n, budget)  # the revolve part after the tail
+    if s_head < 1:
+        return None
+    room = budget - _fixed(p, n) - max(q.reverse_bytes - kept, 0) - 3 * S
+    if room < 2 * kept:
+        return None
+    m_max = int(min(n, room // kept))
     stride = max(1, m_max // 4000)  # scan at most ~4000 tail lengths
-    best, best_t = None, 0.0
+    best = None
     for m in list(range(2, m_max + 1, stride)) + [m_max]:
-        s = 1 + (room - m * kept) // p.slot_bytes
+        s = int(min(1 + (room - m * kept) // p.slot_bytes, s_head, max(n - m, 1)))
         if s < 1:
             continue
-        s = int(min(s, max(n - m, 1)))
         adv = revolve_tail_cost(n, s, m)
-        t = _time(p, n, adv, kept=m, q=q)
-        if best is None or t < best_t or (t == best_t and m < best[1]):
-            best, best_t = (s, m, adv), t
+        if best is None or adv < best[2]:
+            best = (s, m, adv)
     return best
+
+
+def _drop_fraction(p: StepProfile, q: StepProfile) -> float:
+    """The fraction of the plain kept step (beyond its output state) that ``q`` drops."""
+    if q.recomputes_all:
+        return 1.0
+    plain = max(p.kept_bytes - p.state_bytes, 1)
+    return min(max(1.0 - (q.kept_bytes - p.state_bytes) / plain, 0.0), 1.0)
 
 
 def _time(profile: StepProfile, n: int, advances: float, io: float = 0.0, kept: int = 0,
@@ -202,15 +286,18 @@ def _time(profile: StepProfile, n: int, advances: float, io: float = 0.0, kept: 
     """Predicted time relative to the plain unroll; ``kept`` steps recorded under ``q``.
 
     A kept step under a policy costs its measured record + backward time, but never less
-    than the plain step's (recomputation is not free; this keeps timing noise from making a
-    policy look free), and under ``"recompute_all"`` at least one unrecorded step more."""
+    than the plain step's plus a floor for the recomputation of what the policy drops: a whole
+    unrecorded step for a policy that keeps nothing, a quarter of ``t_advance`` times the
+    dropped fraction of the kept bytes otherwise (the ops a policy drops are the cheap ones).
+    Recomputation is not free, and the floor keeps timing noise from making a policy look
+    free."""
     p = profile
     plain = n * (p.t_record + p.t_backward)
     if plain <= 0:
         return 1.0
     extra = 0.0
     if q is not None and kept and q.policy != "none":
-        floor = p.t_advance if q.policy == "recompute_all" else 0.0
+        floor = p.t_advance * (1.0 if q.recomputes_all else 0.25 * _drop_fraction(p, q))
         extra = kept * max((q.t_record + q.t_backward) - (p.t_record + p.t_backward), floor)
     return (advances * p.t_advance + plain + io + extra) / plain
 
@@ -230,11 +317,45 @@ class SlowLevel:
 _MAX_SLOW_SLOTS = 32  # planning time of the two-level DP grows with n x slow slots
 _MAX_MIXED_TABLE = 400_000  # n x units entries of the mixed DP (about 2 s per 1e5)
 _MIXED_TAPE_RATIO = 2  # weigh mixed checkpointing when a tape is at most this many states
+_MARGIN = 0.9  # a policy or a second level must be predicted this much faster than the rest
+
+
+def weighed_policies(profile: StepProfile,
+                     policies: Sequence[StepProfile]) -> list[StepProfile]:
+    """The policy profiles worth weighing beside ``profile`` (plain): not ``"none"``, keeping
+    less than plain autograd (at least 5 % less), one per distinct kept size, a named policy
+    that keeps nothing on this step counted as ``"recompute_all"``."""
+    out: list[StepProfile] = []
+    for q in sorted((q for q in policies if q.policy != "none"),
+                    key=lambda q: (not q.recomputes_all, q.policy != "recompute_all")):
+        if q.kept_bytes > 0.95 * profile.kept_bytes:
+            continue  # keeps about what plain autograd keeps: changes nothing
+        if any(abs(q.kept_bytes - o.kept_bytes) <= 0.01 * max(o.kept_bytes, 1)
+               or (q.recomputes_all and o.recomputes_all) for o in out):
+            continue  # the same tape as one already weighed (the simpler one)
+        out.append(q)
+    return out
 
 
 def choose(profile: StepProfile, n_steps: int, budget: int,
            slow: SlowLevel | None = None,
            policies: Sequence[StepProfile] | None = None) -> Plan:
+    """See :func:`_choose`; the chosen plan carries its peak's terms (``Plan.terms``)."""
+    best = _choose(profile, n_steps, budget, slow, policies)
+    q = next((o for o in policies or () if o.policy == best.policy), profile)
+    slots: Any = 0
+    if best.kind == "revolve_tail":
+        slots = (best.schedule.snapshots, best.schedule.tail)
+    elif best.kind != "store_all":
+        slots = best.snapshots
+    best.terms = peak_terms(q if best.kind in ("store_all", "revolve_tail") else profile,
+                            n_steps, best.kind, slots)
+    return best
+
+
+def _choose(profile: StepProfile, n_steps: int, budget: int,
+            slow: SlowLevel | None = None,
+            policies: Sequence[StepProfile] | None = None) -> Plan:
     """The fastest schedule whose predicted peak fits ``budget`` (bytes); with ``slow``, a
     cost-aware two-level schedule is weighed too.
 
@@ -242,24 +363,23 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
     step under recomputation policies (:func:`~deepsolve.memory.profile_step` with
     ``policy=``) whose kept tapes ``store_all`` and ``revolve_tail`` may use; ``None`` weighs
     the plain tape only. When ``policies`` is given and lacks a ``"none"`` profile, kept tapes
-    always use a policy (the caller fixed it). A policy is taken only when predicted at least
-    2 % faster than the best plan without it (measured times are noisy)."""
+    always use a policy (the caller fixed it). Plain alternatives are compared by their exact
+    recomputation counts; a policy or a second level is taken only when predicted at least
+    10 % faster than the best plan without it (measured times are noisy)."""
     p, n = profile, n_steps
     keep = [p] if policies is None else list(policies)
     plain_ok = any(q.policy == "none" for q in keep)
+    fixed_policy = not plain_ok
     others = [q for q in keep if q.policy != "none"]
+    if not fixed_policy:
+        others = weighed_policies(p, others)
     alts: list[Alternative] = []
     peak_all = predicted_peak(p, n, "store_all")
     fits_all = peak_all <= budget and plain_ok
     if plain_ok:
         alts.append(Alternative("store_all", peak_all, _time(p, n, 0), fits_all,
                                 "no recomputation"))
-    # revolve with the most slots that fit (x_0's slot is free)
-    room = budget - predicted_peak(p, n, "revolve", 1)
-    s_max = 1 + room // p.slot_bytes if room >= 0 and p.slot_bytes > 0 else 0
-    if p.slot_bytes == 0 and room >= 0:
-        s_max = n
-    s_rev = int(min(s_max, max(n - 1, 1)))  # n - 1 slots already avoid all recomputation
+    s_rev = _revolve_slots(p, n, budget)
     extra = dict(policies=others, snapshot_dtype=None)
     if fits_all:
         sched = store_all(n)
@@ -276,8 +396,9 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
         raise BudgetError(
             f"the budget {format_bytes(budget)} is below the minimum {format_bytes(minimum)} "
             f"any schedule needs for {n} steps: one recorded step takes "
-            f"{format_bytes(p.tape_bytes)}, the working set {format_bytes(p.working_bytes)}"
-            + (f", the stacked outputs {format_bytes(n * p.output_bytes)}"
+            f"{format_bytes(p.step_bytes)} at its peak (its tape {format_bytes(p.tape_bytes)})"
+            f", adjoints and states {format_bytes(4 * p.state_bytes)}"
+            + (f", the stacked outputs {format_bytes(2 * n * p.output_bytes)}"
                if p.output_bytes else "")
             + "; raise the budget or shrink the step"
         )
@@ -288,9 +409,10 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
     best = Plan("revolve", revolve(n, s_rev), n, s_rev, budget,
                 predicted_peak(p, n, "revolve", s_rev), t_rev, (adv + n) / n, p, alts,
                 "store_all does not fit; revolve with the most snapshots that fit", **extra)
+    best_adv = adv  # recomputations of the best plain plan: exact, noise-free
 
-    def tail_plan(q: StepProfile, bar: float) -> Plan | None:
-        """The fastest recorded tail kept under ``q``'s policy, if faster than ``bar``."""
+    def tail_plan(q: StepProfile) -> tuple[Plan, int] | None:
+        """The recorded tail kept under ``q``'s policy with the fewest recomputations."""
         tail = _best_tail(p, n, budget, q)
         if tail is None:
             return None
@@ -301,38 +423,23 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
         alts.append(Alternative(name, peak, t_tail, True,
                                 f"{adv_t} recomputed steps; the last {m} steps are kept "
                                 "recorded from the forward sweep"))
-        if t_tail >= bar:
-            return None
         why = ("store_all does not fit; memory beyond the snapshots revolve needs keeps the "
                "last steps recorded")
         if q.policy != "none":
             why += f", their tapes shrunk by the policy {q.policy}"
         return Plan("revolve_tail", revolve_tail(n, s_t, m), n, s_t, budget, peak, t_tail,
-                    (adv_t + n) / n, p, alts, why, label=name, policy=q.policy, **extra)
+                    (adv_t + n) / n, p, alts, why, label=name, policy=q.policy,
+                    **extra), adv_t
 
     if plain_ok:
-        best = tail_plan(p, best.predicted_time) or best
-    # a policy must beat the best plan without one by 2 % (measured times are noisy)
-    plain_time = best.predicted_time if plain_ok else float("inf")
-    for q in others:
-        bar = min(best.predicted_time, 0.98 * plain_time)
-        peak = predicted_peak(q, n, "store_all")  # every step kept recorded under the policy
-        t_q = _time(p, n, 0, kept=n, q=q)
-        fits = peak <= budget
-        alts.append(Alternative("store_all" + _tag(q.policy), peak, t_q, fits,
-                                "no recomputation of states; each step's backward "
-                                "recomputes what the policy drops"))
-        if fits and t_q < bar:
-            best = Plan("store_all", store_all(n), n, None, budget, peak, t_q, 1.0, p, alts,
-                        f"the policy {q.policy} shrinks each recorded step enough for all "
-                        "of them to fit", policy=q.policy, **extra)
-            bar = t_q
-        best = tail_plan(q, bar) or best
-    tape_units = -(-p.tape_bytes // max(p.state_bytes, 1))
-    if (adv > n - 1 and tape_units <= _MIXED_TAPE_RATIO and p.state_bytes > 0 and plain_ok
-            and p.slot_bytes == p.state_bytes):
+        found = tail_plan(p)
+        if found is not None and found[1] < best_adv:
+            best, best_adv = found
+    tape_units = -(-p.kept_bytes // max(p.state_bytes, 1))
+    if (best_adv > n - 1 and tape_units <= _MIXED_TAPE_RATIO and p.state_bytes > 0
+            and plain_ok and p.slot_bytes == p.state_bytes):
         # a slot may hold a recorded step instead of a state (Maddison's mixed checkpointing);
-        # u units of S bytes, the transient tape of the step being reversed on top
+        # u units of S bytes, the working set of the step being reversed on top
         units = int((budget - predicted_peak(p, n, "mixed", 0)) // p.state_bytes)
         units = min(units, 2 * n)
         if units >= 1 and n * units <= _MAX_MIXED_TABLE:
@@ -347,12 +454,31 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
                 alts.append(Alternative(name, peak, t_mix, True,
                                         f"{evals - n} extra evaluations; a slot holds a "
                                         "state or a recorded step"))
-                if t_mix < 0.98 * best.predicted_time:
+                if evals - n < best_adv:
                     best = Plan("mixed", mixed(n, units, tape_units=tape_units), n, units,
                                 budget, peak, t_mix, evals / n, p, alts,
                                 "a recorded step costs about a state here, so keeping some "
                                 "recorded steps (mixed checkpointing) saves recomputation",
                                 label=name, **extra)
+                    best_adv = evals - n
+    # a policy must beat the best plan without one by 10 % (measured times are noisy)
+    bar = best.predicted_time * (1.0 if fixed_policy else _MARGIN)
+    for q in others:
+        peak = predicted_peak(q, n, "store_all")  # every step kept recorded under the policy
+        t_q = _time(p, n, 0, kept=n, q=q)
+        fits = peak <= budget
+        alts.append(Alternative("store_all" + _tag(q.policy), peak, t_q, fits,
+                                "no recomputation of states; each step's backward "
+                                "recomputes what the policy drops"))
+        if fits and t_q < bar:
+            best = Plan("store_all", store_all(n), n, None, budget, peak, t_q, 1.0, p, alts,
+                        f"the policy {q.policy} shrinks each recorded step enough for all "
+                        "of them to fit", policy=q.policy, **extra)
+            bar = t_q if fixed_policy else min(bar, _MARGIN * t_q)
+        found = tail_plan(q)
+        if found is not None and found[0].predicted_time < bar:
+            best = found[0]
+            bar = best.predicted_time if fixed_policy else _MARGIN * best.predicted_time
     if slow is not None and slow.slots > 0 and adv > n - 1 and p.t_advance > 0:
         m = min(slow.slots, n, _MAX_SLOW_SLOTS)
         unit = p.t_advance  # costs in units of one unrecorded step
@@ -368,7 +494,7 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
         note = (f"write {slow.t_write * 1e3:.3g} ms, read {slow.t_read * 1e3:.3g} ms "
                 f"per state on {slow.kind}")
         alts.append(Alternative(name, peak, t_two, True, note))
-        if t_two < 0.98 * t_rev:
+        if t_two < _MARGIN * best.predicted_time:
             sched = two_level(n, s_rev, m, **kw)
             return Plan("two_level", sched, n, s_rev, budget, peak, t_two,
                         t_two / max(t_rev, 1e-300) * best.recompute_factor, p, alts,
@@ -413,6 +539,8 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     leaves = pytree.tree_leaves(state)
     dev = device if device is not None else (leaves[0].device if leaves else None)
     nbytes = parse_budget(budget, dev)
+    if dev is None or torch.device(dev).type == "cpu":
+        return_freed_memory()  # RSS must follow the live bytes the budget bounds
     prof = profile_step(step, state, params=params)
     if snapshot_dtype is not None:
         prof = dataclasses.replace(prof, snapshot_bytes=snapshot_nbytes(leaves, snapshot_dtype))
@@ -505,19 +633,22 @@ def online_snapshots(step, state, budget: int | str, max_steps: int | None = Non
 
     leaves = pytree.tree_leaves(state)
     nbytes = parse_budget(budget, leaves[0].device if leaves else None)
+    if not leaves or leaves[0].device.type == "cpu":
+        return_freed_memory()
     p = profile_step(step, state, params=params)
-    outs = (max_steps or 0) * p.output_bytes
-    room = nbytes - p.tape_bytes - p.working_bytes - outs
+    # as revolve(1), with the outputs also listed during the forward sweep, and one state
+    # more: the online forward holds x_{i-1} beside x_i
+    need = (predicted_peak(p, max_steps or 0, "revolve", 1) + (max_steps or 0) * p.output_bytes
+            + p.state_bytes)
+    room = nbytes - need
     if room < 0:
         raise BudgetError(
-            f"the budget {format_bytes(nbytes)} is below the minimum "
-            f"{format_bytes(nbytes - room)} an unknown-length unroll needs: one recorded step "
-            f"takes {format_bytes(p.tape_bytes)}, the working set "
-            f"{format_bytes(p.working_bytes)}; raise the budget or shrink the step")
+            f"the budget {format_bytes(nbytes)} is below the minimum {format_bytes(need)} an "
+            f"unknown-length unroll needs: one recorded step takes {format_bytes(p.step_bytes)}"
+            f" at its peak (its tape {format_bytes(p.tape_bytes)}), adjoints and states "
+            f"{format_bytes(5 * p.state_bytes)}; raise the budget or shrink the step")
     slot = snapshot_nbytes(leaves, snapshot_dtype) if snapshot_dtype is not None \
         else p.state_bytes
     if slot == 0:
         return 1_000_000
-    # x_0's slot is free; one full-size state more than offline: the online forward holds
-    # x_{i-1} beside x_i
-    return max(1, 1 + int((room - p.state_bytes) // slot))
+    return 1 + int(room // slot)  # x_0's slot is free

@@ -1,34 +1,54 @@
 """Measure one step: the sizes and times the planner weighs.
 
-``profile_step(step, state)`` runs the step a few times and returns a :class:`StepProfile`:
+``profile_step(step, state)`` runs the step a few times and returns a :class:`StepProfile`.
+Memory is measured as *live bytes* — what the code allocates and still holds — with
+:class:`~deepsolve.memory.live.LiveBytes` (the CUDA allocator's counters; on the CPU the
+allocation events PyTorch's CPU allocator reports to its profiler), so it includes the
+temporaries of the step's forward and the buffers of its backward, not only the tensors
+autograd saves. With ``x`` the input state (already held) and ``lambda`` the adjoint seed
+(allocated before the step, as in the reverse sweep):
 
 * ``state_bytes`` S — one state;
-* ``tape_bytes`` T — what one *recorded* step keeps for its backward beyond its input state
-  and the parameters (unique storages packed by ``torch.autograd.graph.saved_tensors_hooks``);
+* ``advance_bytes`` A — the peak of one unrecorded (``no_grad``) step beyond its input, its
+  output included: the working set of an advance;
+* ``kept_bytes`` K — what one *recorded* step holds once its forward returns: its tape,
+  its output state and per-step outputs (anything else the step leaves alive, too);
+* ``reverse_bytes`` M — the peak of recording one step and running its backward (with
+  ``lambda`` as seed): tape, output, temporaries of both passes, the adjoint ``lambda_i`` and
+  the parameter gradients it returns. ``scratch_bytes`` = M − K is the transient of the
+  backward beyond what the forward keeps;
+* ``chain_bytes`` C — what one more recorded step adds to a plain autograd chain (the second
+  of two chained steps; the first one's output is its input): a store-all unroll holds about
+  ``K + (n − 1) C`` before its backward;
+* ``tape_bytes`` T — the tensors autograd saves for the backward beyond the input and the
+  parameters (unique storages packed by ``saved_tensors_hooks``; part of K);
 * ``output_bytes`` O — one step's per-step output (the unroll stacks ``n`` of them);
-* ``grad_bytes`` P — gradient accumulators for the parameters the step uses;
-* ``scratch_bytes`` — on CUDA, the transient peak of a recorded step and its backward beyond
-  the above (``torch.cuda.max_memory_allocated``); on CPU 0 (the allocator is not observable);
+* ``grad_bytes`` P — gradient buffers for the parameters the step uses;
 * ``t_advance``, ``t_record``, ``t_backward`` — seconds for an unrecorded step, a recorded
-  step, and the backward of a recorded step (medians).
+  step, and the backward of a recorded step (medians of ``repeats``; taken outside the
+  memory measurement, which runs once, untimed).
 
 ``profile_step(step, state, policy=p)`` measures the recorded step under a recomputation
-policy (:data:`deepsolve.executor.POLICIES`, a policy function or a list of ops): ``tape_bytes``
-is then what the kept step holds — the outputs the selective-checkpoint cache keeps, read from
-its storage, unique storages, the input and parameters excluded — and ``t_record``,
-``t_backward`` include the checkpoint's work and the recomputation in the backward. Its
-``base_tape_bytes`` is the plain tape ``T``: when a kept step's backward runs, the recomputation
-rebuilds what plain autograd would have saved, so reversing it needs up to ``T`` more
-(``reverse_extra``; an upper bound, since the cached outputs are counted twice).
+policy (:data:`deepsolve.executor.POLICIES`, a policy function or a list of ops): K, M and C
+are then those of a step recorded under it (what its selective-checkpoint cache keeps; the
+backward recomputes the rest, inside M), ``tape_bytes`` is what the cache holds, and
+``t_record``, ``t_backward`` include the checkpoint's work and the recomputation.
+``base_tape_bytes`` is the plain tape. ``saves`` counts the ops the policy chose to keep in
+one forward (``None`` for the plain profile): a named policy that keeps nothing on this step
+(``"save_fft"`` on a step without FFTs) is ``"recompute_all"`` in disguise, and the planner
+does not weigh it.
 
 Profiles are cached per (step, state shapes, dtypes, device, policy name) so a training loop
 that calls ``unroll(..., budget=...)`` every iteration profiles once; policies given as
-functions or op lists are measured each time.
+functions or op lists are measured each time. The memory measurement adds one recorded step
+and backward, one chained pair of recorded steps and the profiler's start and stop (about a
+millisecond each) to a profile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 import weakref
@@ -37,6 +57,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..executor import (
     CompiledPolicy,
@@ -45,8 +66,11 @@ from ..executor import (
     _Step,
     policy_context,
     policy_name,
+    save_expensive,
+    save_fft,
     saved_bytes,
 )
+from .live import LiveBytes
 
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
@@ -55,11 +79,12 @@ __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 class StepProfile:
     """Measured sizes [bytes] and times [s] of one step; see the module docstring.
 
-    ``policy`` names the recomputation policy the tape and record/backward times were measured
-    under (``"none"``: plain autograd); ``base_tape_bytes`` is then the plain tape ``T`` (``None``
-    for ``"none"``: ``tape_bytes`` itself). ``snapshot_bytes`` is the size of one stored
-    snapshot when snapshots are kept in a smaller dtype (``None``: a state,
-    ``state_bytes``); the planner sets it, it is not measured.
+    ``policy`` names the recomputation policy the recorded step was measured under
+    (``"none"``: plain autograd); ``base_tape_bytes`` is then the plain tape (``None`` for
+    ``"none"``). ``snapshot_bytes`` is the size of one stored snapshot when snapshots are
+    kept in a smaller dtype (``None``: a state, ``state_bytes``); the planner sets it, it is
+    not measured. ``measured`` is ``False`` when the working set could not be observed (the
+    profiler was already running) and K, M, A, C are conservative estimates from the tape.
     """
 
     state_bytes: int
@@ -74,28 +99,40 @@ class StepProfile:
     policy: str = "none"
     base_tape_bytes: int | None = None
     snapshot_bytes: int | None = None
+    kept_bytes: int = 0
+    reverse_bytes: int = 0
+    advance_bytes: int = 0
+    chain_bytes: int = 0
+    measured: bool = True
+    saves: int | None = None
+    base_reverse_bytes: int | None = None
 
     @property
-    def working_bytes(self) -> int:
-        """Fixed overhead of the reverse sweep beyond snapshots and the tape: the working
-        state, two adjoints, the parameter gradients and the measured scratch."""
-        return 3 * self.state_bytes + self.grad_bytes + self.scratch_bytes
+    def plain_reverse_bytes(self) -> int:
+        """M of the step recorded without a policy (reversed as soon as it is recorded)."""
+        return self.reverse_bytes if self.base_reverse_bytes is None else self.base_reverse_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        """The working set of a step advanced, or recorded and reversed at once (no policy):
+        ``max(A, M)``."""
+        return max(self.advance_bytes, self.plain_reverse_bytes)
 
     @property
     def plain_tape_bytes(self) -> int:
-        """``T``: what one recorded step saves without a policy (a step reversed at once)."""
+        """What one recorded step saves without a policy."""
         return self.tape_bytes if self.base_tape_bytes is None else self.base_tape_bytes
-
-    @property
-    def reverse_extra(self) -> int:
-        """Bytes that reversing a kept tape adds on top of it: 0 without a policy, else the
-        recomputation of the plain tape, ``T``."""
-        return 0 if self.policy == "none" else self.plain_tape_bytes
 
     @property
     def slot_bytes(self) -> int:
         """Bytes one snapshot slot holds."""
         return self.state_bytes if self.snapshot_bytes is None else self.snapshot_bytes
+
+    @property
+    def recomputes_all(self) -> bool:
+        """The policy keeps nothing of the step (``"recompute_all"``, or a named policy none
+        of whose ops the step runs)."""
+        return self.policy == "recompute_all" or self.saves == 0
 
 
 _cache: dict[tuple, tuple[Any, StepProfile]] = {}
@@ -140,8 +177,9 @@ def profile_step(step, state, *, params: list[torch.Tensor] | None = None, repea
                  cache: bool = True, policy: Any = "none") -> StepProfile:
     """Measure ``step`` on ``state`` (see :class:`StepProfile`), its recorded step under
     ``policy`` (default ``"none"``: plain autograd). Runs the step ``1 + 2 * repeats`` times
-    (the first call is a warm-up), and ``1 + repeats`` more recorded under a policy. The CPU
-    and CUDA random number generators are left as they were, so profiling does not shift a
+    and the memory measurement (three recorded steps, one backward); under a policy,
+    ``repeats`` recorded steps more and the policy's memory measurement. The CPU and CUDA
+    random number generators are left as they were, so profiling does not shift a
     stochastic step's stream.
     """
     leaves = [state] if isinstance(state, torch.Tensor) else pytree.tree_leaves(state)
@@ -169,6 +207,106 @@ def _cached(key, step) -> StepProfile | None:
     return None
 
 
+def _store(key, step, prof: StepProfile) -> None:
+    try:
+        _cache[key] = (weakref.ref(getattr(step, "__func__", step)), prof)
+    except TypeError:  # not weakly referenceable: do not cache
+        pass
+
+
+def _fresh(x: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The state as new leaves that require grad (aliases: no copy)."""
+    return [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in x]
+
+
+def _roots_and_inputs(y, out, x_in, params):
+    roots = [t for t in (*y, *out) if t.requires_grad]
+    in_ids = {id(t) for t in x_in}
+    found = [p for p in (_graph_leaves(roots, {}, 0, set()) if params is None else list(params))
+             if id(p) not in in_ids]
+    inputs = [t for t in x_in if t.requires_grad] + [p for p in found if p.requires_grad]
+    return roots, found, inputs
+
+
+@dataclass
+class _Memory:
+    """What :func:`_measure` observed of one recorded step."""
+
+    kept: int = 0
+    reverse: int = 0
+    chain: int = 0
+    tape: int = 0
+    output: int = 0
+    grads: int = 0
+    measured: bool = True
+
+
+def _measure(record, x: list[torch.Tensor], params, device: torch.device,
+             count_tape: bool = True) -> _Memory:
+    """Live bytes of one step recorded by ``record(leaves, i) -> (next, outputs)`` and
+    reversed, and of two chained recorded steps; the tape by ``saved_tensors_hooks``."""
+    x_in = _fresh(x)
+    seeds = [torch.ones_like(t) for t in x]  # lambda_{i+1}: alive before the step
+    skip = {t.untyped_storage().data_ptr() for t in x_in}
+    seen: dict[int, int] = {}
+
+    def pack(t, seen=seen, skip=skip):
+        if not (t.is_leaf and t.requires_grad):  # inputs and parameters are not the tape's
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # torch.func wrappers: no storage
+                return t
+            if st.data_ptr() not in skip:
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        return t.detach() if t.grad_fn is not None else t  # no cycle via grad_fn
+
+    mem = _Memory()
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, _identity) if count_tape else None
+    with LiveBytes(device) as lb:
+        with torch.enable_grad():
+            if hooks is not None:
+                with hooks:
+                    y, out = record(x_in, 0)
+            else:
+                y, out = record(x_in, 0)
+        k = lb.mark()
+        roots, found, inputs = _roots_and_inputs(y, out, x_in, params)
+        if roots and inputs:
+            seed = [seeds[j] if j < len(y) else torch.ones_like(t)
+                    for j, t in enumerate((*y, *out)) if t.requires_grad]
+            grads = torch.autograd.grad(roots, inputs, seed, allow_unused=True)
+            del seed
+        else:
+            grads = ()
+        mem.output = sum(_nbytes(o) for o in out)
+        mem.grads = sum(_nbytes(p) for p in found if p.requires_grad)
+        del y, out, roots, grads
+    mem.measured = lb.measured
+    mem.kept = lb.at(k)
+    # the output seeds were allocated inside the window; in an unroll they are slices of
+    # the caller's output gradients, counted with the stacked outputs
+    mem.reverse = max(lb.peak - mem.output, mem.kept)
+    mem.tape = sum(seen.values())
+    with LiveBytes(device) as lb, torch.enable_grad():
+        y1, _ = record(_fresh(x), 0)
+        y2, out2 = record(y1, 1)
+        k = lb.mark()
+        del y1, y2, out2
+    mem.chain = max(lb.at(k) - mem.kept, 0)
+    return mem
+
+
+def _identity(t):
+    return t
+
+
+def _estimate(mem: _Memory, state_bytes: int) -> _Memory:
+    """Conservative figures from the tape when the working set could not be observed."""
+    kept = mem.tape + state_bytes + mem.output
+    return dataclasses.replace(mem, kept=kept, reverse=kept + 3 * state_bytes + mem.grads,
+                               chain=kept, measured=False)
+
+
 def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile:
     leaves, spec = _flatten(state)
     key = _key(step, leaves)
@@ -177,8 +315,11 @@ def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile
     device = leaves[0].device
     cuda = device.type == "cuda"
     x = [t.detach() for t in leaves]
+    state_bytes = sum(_nbytes(t) for t in x)
     with torch.no_grad():
-        _call(step, x, spec, 0)  # warm-up
+        with LiveBytes(device) as lb:  # the warm-up, measured: the advance's working set
+            _call(step, x, spec, 0)
+        advance = lb.peak if lb.measured else 3 * state_bytes
         t_adv = []
         for _ in range(repeats):
             _sync(cuda)
@@ -186,36 +327,19 @@ def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile
             _call(step, x, spec, 0)
             _sync(cuda)
             t_adv.append(time.perf_counter() - t0)
-
-    state_bytes = sum(_nbytes(t) for t in x)
+    mem = _measure(lambda xs, i: _call(step, xs, spec, i), x, params, device)
+    if not mem.measured:
+        mem = _estimate(mem, state_bytes)
     t_rec, t_bwd = [], []
-    tape_bytes = out_bytes = grad_bytes = scratch = 0
-    for r in range(repeats):
-        x_in = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in x]
-        skip = {t.untyped_storage().data_ptr() for t in x_in}
-        seen: dict[int, int] = {}
-
-        def pack(t, seen=seen, skip=skip):
-            if not (t.is_leaf and t.requires_grad):  # inputs and parameters are not the tape's
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in skip:
-                    seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-            return t.detach() if t.grad_fn is not None else t  # no cycle via grad_fn
-
-        if cuda:
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(repeats):
+        x_in = _fresh(x)
+        _sync(cuda)
         t0 = time.perf_counter()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad():
             y, out = _call(step, x_in, spec, 0)
         _sync(cuda)
         t1 = time.perf_counter()
-        roots = [t for t in (*y, *out) if t.requires_grad]
-        in_ids = {id(t) for t in x_in}
-        found = [p for p in (_graph_leaves(roots, {}, 0, set()) if params is None else list(params))
-                 if id(p) not in in_ids]
-        inputs = [t for t in x_in if t.requires_grad] + [p for p in found if p.requires_grad]
+        roots, _, inputs = _roots_and_inputs(y, out, x_in, params)
         if roots and inputs:
             torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
                                 allow_unused=True)
@@ -223,25 +347,17 @@ def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile
         t2 = time.perf_counter()
         t_rec.append(t1 - t0)
         t_bwd.append(t2 - t1)
-        if r == 0:
-            tape_bytes = sum(seen.values())
-            out_bytes = sum(_nbytes(o) for o in out)
-            grad_bytes = sum(_nbytes(p) for p in found if p.requires_grad)
-            if cuda:
-                peak = torch.cuda.max_memory_allocated(device) - base
-                scratch = max(0, peak - tape_bytes - 3 * state_bytes - grad_bytes)
-        del y, out, roots
+        del y, out, roots, inputs
     prof = StepProfile(
-        state_bytes=state_bytes, tape_bytes=tape_bytes, output_bytes=out_bytes,
-        grad_bytes=grad_bytes, scratch_bytes=scratch,
+        state_bytes=state_bytes, tape_bytes=mem.tape, output_bytes=mem.output,
+        grad_bytes=mem.grads, scratch_bytes=max(mem.reverse - mem.kept, 0),
         t_advance=statistics.median(t_adv), t_record=statistics.median(t_rec),
         t_backward=statistics.median(t_bwd), device=str(device),
+        kept_bytes=mem.kept, reverse_bytes=mem.reverse, advance_bytes=advance,
+        chain_bytes=mem.chain, measured=mem.measured,
     )
     if cache:
-        try:
-            _cache[key] = (weakref.ref(getattr(step, "__func__", step)), prof)
-        except TypeError:  # not weakly referenceable: do not cache
-            pass
+        _store(key, step, prof)
     return prof
 
 
@@ -250,28 +366,27 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _cached_tensors(obj: Any) -> list[torch.Tensor]:
-    """The tensors a selective-checkpoint cache holds (its ``storage``: dicts and lists of
-    wrappers with a ``val`` tensor, depending on the torch version)."""
-    found, todo = [], [obj]
-    while todo:
-        o = todo.pop()
-        if isinstance(o, torch.Tensor):
-            found.append(o)
-        elif isinstance(o, dict):
-            todo.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            todo.extend(o)
-        else:
-            val = getattr(o, "val", None)
-            if isinstance(val, torch.Tensor):
-                found.append(val)
-    return found
+def _counting(policy: Any, counter: list[int]):
+    """A selective-checkpoint ``context_fn`` for a *named* policy that counts the ops it
+    keeps in the forward; ``None`` for policies that are not counted."""
+    fn = {"save_expensive": save_expensive, "save_fft": save_fft}.get(policy) \
+        if isinstance(policy, str) else None
+    if fn is None:
+        return None
+    keep = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+    def counted(ctx, op, *args, **kwargs):
+        decision = fn(ctx, op, *args, **kwargs)
+        if decision in keep and not ctx.is_recompute:
+            counter[0] += 1
+        return decision
+
+    return functools.partial(create_selective_checkpoint_contexts, counted)
 
 
 def _profile_policy(step, state, params, repeats: int, cache: bool, policy, context_fn,
                     base: StepProfile) -> StepProfile:
-    """Tape bytes and record/backward times of ``step`` recorded under ``policy``."""
+    """Memory and record/backward times of ``step`` recorded under ``policy``."""
     from torch.utils.checkpoint import checkpoint
 
     name = policy_name(policy)
@@ -283,55 +398,48 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
     device = leaves[0].device
     cuda = device.type == "cuda"
     x = [t.detach() for t in leaves]
-    modes: list = []
-
-    def capture():  # keep the forward context: its storage is the policy's tape
-        ctx = context_fn()
-        modes.append(ctx[0])
-        return ctx
-
-    def fresh():  # the state as new leaves that require grad
-        return [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in x]
 
     compiled = None
     if isinstance(policy, CompiledPolicy):  # record as the executor does: the compiled step
         compiled = _Step(step, spec, x, None)
         recorder = _Recorder(context_fn, True, policy)
         with torch.enable_grad():
-            compiled.first(fresh(), 0)  # decides whether the step has outputs
+            compiled.first(_fresh(x), 0)  # decides whether the step has outputs
             for i in (1, 0):  # compile; recompile with the step index dynamic, so that an
-                recorder(compiled, fresh(), i)  # unroll's later steps do not recompile
-    t_rec, t_bwd, tapes = [], [], []
-    for r in range(repeats + 1):  # the first run is a warm-up (and the compilation)
-        modes.clear()
-        x_in = fresh()
+                recorder(compiled, _fresh(x), i)  # unroll's later steps do not recompile
+
+        def record(xs, i):
+            return recorder(compiled, xs, i)
+    else:
+        def record(xs, i, fn=context_fn):
+            return checkpoint(_call, step, xs, spec, i, use_reentrant=False, context_fn=fn)
+
+    counter = [0]
+    counting = _counting(policy, counter)
+    measure_record = record if counting is None else functools.partial(record, fn=counting)
+    mem = _measure(measure_record, x, params, device, count_tape=False)
+    saves = counter[0] if counting is not None else None
+    if compiled is not None:  # the compiled backward node holds the tape: read it there
+        with torch.enable_grad():
+            x_in = _fresh(x)
+            y, out = record(x_in, 0)
+            roots, found, _ = _roots_and_inputs(y, out, x_in, params)
+            mem.tape = saved_bytes(roots, (*x_in, *found))
+            del y, out, roots
+    else:  # what the cache keeps: the kept bytes less the step's output state and outputs
+        mem.tape = max(mem.kept - base.state_bytes - base.output_bytes, 0)
+    if not mem.measured:
+        mem = _estimate(mem, base.state_bytes)
+    t_rec, t_bwd = [], []
+    for r in range(repeats + 1):  # the first run is a warm-up
+        x_in = _fresh(x)
         _sync(cuda)
         t0 = time.perf_counter()
         with torch.enable_grad():
-            if compiled is not None:
-                y, out = recorder(compiled, x_in, 0)
-            else:
-                y, out = checkpoint(_call, step, x_in, spec, 0, use_reentrant=False,
-                                    context_fn=capture)
+            y, out = record(x_in, 0)
         _sync(cuda)
         t1 = time.perf_counter()
-        roots = [t for t in (*y, *out) if t.requires_grad]
-        in_ids = {id(t) for t in x_in}
-        found = [p for p in (_graph_leaves(roots, {}, 0, set()) if params is None
-                             else list(params)) if id(p) not in in_ids]
-        if compiled is not None:  # the compiled backward node holds the tape
-            tapes.append(saved_bytes(roots, (*x_in, *found)))
-        else:
-            skip = {t.untyped_storage().data_ptr() for t in (*x_in, *found)}
-            held: dict[int, int] = {}
-            for m in modes:
-                for t in _cached_tensors(getattr(m, "storage", None)):
-                    st = t.untyped_storage()
-                    if st.data_ptr() not in skip:
-                        held[st.data_ptr()] = st.nbytes()
-            tapes.append(sum(held.values()))
-            del held
-        inputs = [t for t in x_in if t.requires_grad] + [p for p in found if p.requires_grad]
+        roots, _, inputs = _roots_and_inputs(y, out, x_in, params)
         if roots and inputs:
             torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
                                 allow_unused=True)
@@ -340,14 +448,14 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
         if r:
             t_rec.append(t1 - t0)
             t_bwd.append(t2 - t1)
-        del y, out, roots
-    modes.clear()
+        del y, out, roots, inputs
     prof = dataclasses.replace(
-        base, policy=name, tape_bytes=tapes[-1], base_tape_bytes=base.tape_bytes,
-        t_record=statistics.median(t_rec), t_backward=statistics.median(t_bwd))
+        base, policy=name, tape_bytes=mem.tape, base_tape_bytes=base.tape_bytes,
+        base_reverse_bytes=base.reverse_bytes,
+        t_record=statistics.median(t_rec), t_backward=statistics.median(t_bwd),
+        kept_bytes=mem.kept, reverse_bytes=mem.reverse, chain_bytes=mem.chain,
+        scratch_bytes=max(mem.reverse - mem.kept, 0), measured=mem.measured and base.measured,
+        saves=saves)
     if cacheable:
-        try:
-            _cache[key] = (weakref.ref(getattr(step, "__func__", step)), prof)
-        except TypeError:  # not weakly referenceable: do not cache
-            pass
+        _store(key, step, prof)
     return prof
