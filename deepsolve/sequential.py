@@ -41,10 +41,20 @@ from typing import Any
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .executor import _Autocast, _autocast_state, _devices, _get_rng, _graph_leaves, _set_rng
+from .executor import (
+    _Autocast,
+    _autocast_state,
+    _devices,
+    _get_rng,
+    _graph_leaves,
+    _holding,
+    _Misfit,
+    _set_rng,
+)
 from .memory.budget import BudgetError, format_bytes, parse_budget
 from .schedules import Schedule
 from .schedules.actions import Advance, Free, Record, Restore, Reverse, Store
+from .schedules.check import ScheduleError
 from .schedules.hetero import ChainCosts, Hetero, hetero_peak
 
 __all__ = ["sequential", "SequentialStats", "ChainProfile", "profile_chain",
@@ -284,6 +294,9 @@ class _Chain:
         self.recorded = 0
         self.done = False
         self.known = {id(p) for p in params}
+        self.at = 0  # index of the layer input held (-1: none); checked as the executor does
+        self.adj_at = self.n  # the adjoint dL/dx_adj is held
+        self.pos = 0  # actions consumed
 
     def _advance(self, cur: torch.Tensor, a: int, b: int) -> torch.Tensor:
         with torch.no_grad():
@@ -320,10 +333,23 @@ class _Chain:
 
     def _store(self, cur: torch.Tensor, a: Store) -> None:
         rng = _get_rng(self.cuda) if self.preserve_rng else None
-        self.slots[(a.level, a.slot)] = (cur, cur._version, rng)
+        key = (a.level, a.slot)
+        if key in self.slots:
+            raise _Misfit(f"slot {a.slot} (level {a.level}) already holds "
+                          f"x_{self.slots[key][3]}; Free it first")
+        self.slots[key] = (cur, cur._version, rng, a.index)
+
+    def _held(self, a: Restore | Free) -> tuple:
+        entry = self.slots.get((a.level, a.slot))
+        if entry is None:
+            raise _Misfit(f"slot {a.slot} (level {a.level}) is empty")
+        if entry[3] != a.index:
+            raise _Misfit(f"slot {a.slot} (level {a.level}) holds x_{entry[3]}, not "
+                          f"x_{a.index}")
+        return entry
 
     def _restore(self, a: Restore) -> torch.Tensor:
-        data, version, rng = self.slots[(a.level, a.slot)]
+        data, version, rng, _ = self._held(a)
         if data._version != version:
             raise RuntimeError(f"sequential: the stored input of layer {a.index} was modified "
                                "in place; a layer must not modify its input (return a new "
@@ -333,32 +359,70 @@ class _Chain:
         return data
 
     def _run(self, cur, until_reverse: bool):
-        for a in self.actions:
-            t = type(a)
-            if t is Advance:
-                cur = self._advance(cur, a.start, a.stop)
-            elif t is Record:
-                for i in range(a.start, a.stop):
-                    tape = self._record(cur, i)
-                    self.tapes[i] = tape[:3]
-                    cur = tape[3]
-            elif t is Reverse:
-                if until_reverse:
-                    return cur, a
-                tape = self.tapes.pop(a.index, None)
-                if tape is None:
-                    tape = self._record(cur, a.index)[:3]
-                cur = None
-                self._pull(tape, a.index)
-                del tape  # the layer's graph and input go now, not at the next reverse
-            elif t is Store:
-                self._store(cur, a)
-            elif t is Restore:
-                cur = self._restore(a)
-            elif t is Free:
-                del self.slots[(a.level, a.slot)]
-            else:  # pragma: no cover
-                raise TypeError(f"sequential: unknown schedule action {a!r}")
+        """Interpret actions, each checked against the state first (the index ``at`` of the
+        input held, the slots, the adjoint position ``adj``), as ``deepsolve.executor`` does;
+        a misfit raises a one-line :class:`ScheduleError` naming the action."""
+        n = self.n
+        at = self.at
+        k = self.pos
+        a = None
+        try:
+            for a in self.actions:
+                t = type(a)
+                if t is Advance:
+                    if a.start != at or not 0 <= a.start < a.stop <= n:
+                        raise _Misfit(f"it needs x_{a.start} and {a.start} < stop <= {n}; the "
+                                      f"executor holds {_holding(at)}")
+                    cur = self._advance(cur, a.start, a.stop)
+                    at = a.stop
+                elif t is Record:
+                    if a.start != at or not 0 <= a.start < a.stop <= self.adj_at:
+                        raise _Misfit(f"it needs x_{a.start} and {a.start} < stop <= "
+                                      f"{self.adj_at}; the executor holds {_holding(at)}")
+                    for i in range(a.start, a.stop):
+                        if i in self.tapes:
+                            raise _Misfit(f"layer {i} is already recorded")
+                        tape = self._record(cur, i)
+                        self.tapes[i] = tape[:3]
+                        cur = tape[3]
+                    at = a.stop
+                elif t is Reverse:
+                    i = a.index
+                    if i != self.adj_at - 1 or i < 0:
+                        raise _Misfit(f"the adjoint is at x_{self.adj_at}, so the next reverse "
+                                      f"step is Reverse({self.adj_at - 1})")
+                    if at != i and i not in self.tapes:
+                        raise _Misfit(f"reversing layer {i} needs x_{i} (or a Record of it) "
+                                      f"but the executor holds {_holding(at)}")
+                    if until_reverse:
+                        self.at, self.pos = at, k + 1
+                        return cur, a
+                    tape = self.tapes.pop(a.index, None)
+                    if tape is None:
+                        tape = self._record(cur, a.index)[:3]
+                    cur = None
+                    at = -1
+                    self.adj_at = i
+                    self._pull(tape, a.index)
+                    del tape  # the layer's graph and input go now, not at the next reverse
+                elif t is Store:
+                    if a.index != at or at < 0:
+                        raise _Misfit(f"stores x_{a.index} but the executor holds "
+                                      f"{_holding(at)}")
+                    self._store(cur, a)
+                elif t is Restore:
+                    cur = self._restore(a)
+                    at = a.index
+                elif t is Free:
+                    self._held(a)
+                    del self.slots[(a.level, a.slot)]
+                else:
+                    raise _Misfit("is not a schedule action")
+                k += 1
+        except _Misfit as e:
+            raise ScheduleError(f"sequential: action {k} ({a!r}) of the schedule does not fit: "
+                                f"{e}") from None
+        self.at, self.pos = at, k
         return cur, None
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
@@ -401,6 +465,9 @@ class _Chain:
             with _Autocast(self.autocast):
                 self._pull_pending()
                 self._run(None, until_reverse=False)
+                if self.adj_at != 0:
+                    raise ScheduleError(f"sequential: the schedule ended with layers "
+                                        f"0..{self.adj_at - 1} never reversed")
         finally:
             if fork is not None:
                 fork.__exit__(None, None, None)
@@ -413,6 +480,7 @@ class _Chain:
 
     def _pull_pending(self) -> None:
         tape, self.pending = self.pending, None
+        self.at, self.adj_at = -1, self.n - 1
         self._pull(tape, self.n - 1)
 
     def _pull(self, tape: tuple, i: int) -> None:

@@ -352,3 +352,45 @@ def test_backward_accumulates_into_grad_like_plain_autograd():
     (sequential(layers, x, budget=budget) ** 2).sum().backward()
     h.remove()
     assert seen and torch.allclose(params[0].grad, g0[1] / 2, rtol=0, atol=1e-10)
+
+
+def _chain_run(actions: list, n: int, x: torch.Tensor):
+    """The chain executor on a listed schedule (the planner's are built in; this is what a
+    bug in one would look like)."""
+    from deepsolve.sequential import _Chain, _ChainFunction, _Listed
+
+    layers = [lambda z, k=k: torch.sin(z) * (1 + 0.1 * k) for k in range(n)]
+    run = _Chain(layers, [[] for _ in range(n)], [], _Listed(tuple(actions), n=n), True, [],
+                 None)
+    run.forward(x)
+    return _ChainFunction.apply(run, x)
+
+
+def test_the_chain_executor_checks_every_action():
+    """Actions that do not fit the chain executor's state raise a one-line ScheduleError
+    naming the action (before: a wrong gradient or a bare KeyError); a valid listed schedule
+    gives plain autograd's gradient."""
+    from deepsolve.schedules import Advance, Free, Restore, Reverse, Store
+    from deepsolve.schedules.check import ScheduleError
+
+    x = torch.linspace(-1, 1, 5, dtype=torch.float64, requires_grad=True)
+    good = [Store(0, 0), Advance(0, 2), Reverse(2), Restore(0, 0), Advance(0, 1), Reverse(1),
+            Restore(0, 0), Free(0, 0), Reverse(0)]
+    (g,) = torch.autograd.grad(_chain_run(good, 3, x).sum(), x)
+    z = x
+    for k in range(3):
+        z = torch.sin(z) * (1 + 0.1 * k)
+    (ref,) = torch.autograd.grad(z.sum(), x)
+    assert torch.allclose(g, ref, rtol=1e-12, atol=0)
+    bad = {
+        "reverse from x_2": [Advance(0, 2), Reverse(1)],
+        "restore an empty slot": [Advance(0, 2), Reverse(2), Restore(1, 0)],
+        "reverse out of order": [Store(0, 0), Advance(0, 2), Reverse(2), Restore(0, 0),
+                                 Reverse(0)],
+        "a layer never reversed": [Store(0, 0), Advance(0, 2), Reverse(2), Restore(0, 0),
+                                   Advance(0, 1), Reverse(1), Free(0, 0)],
+    }
+    for name, acts in bad.items():
+        with pytest.raises(ScheduleError, match=r"^sequential: ") as err:
+            _chain_run(acts, 3, x).sum().backward()
+        assert "\n" not in str(err.value), name
