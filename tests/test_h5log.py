@@ -542,7 +542,7 @@ def test_no_half_made_log_when_the_disk_is_full(tmp_path, monkeypatch):
         return f
 
     monkeypatch.setattr(H.h5py, "File", full)
-    with pytest.raises(LogError, match="cannot write the log.*No space left on device"):
+    with pytest.raises(LogError, match="No space left on device"):
         H5Log(p)
     assert os.listdir(tmp_path) == []
     monkeypatch.setattr(H.h5py, "File", real)
