@@ -482,10 +482,11 @@ def _row_count(its: np.ndarray) -> int:
 
 
 def _read_open(f: h5py.File, p: Path, live: bool,
-               n_max: int | None = None) -> tuple[dict[str, Any], list[tuple[str, str, str]],
+               only_iteration: bool = False) -> tuple[dict[str, Any], list[tuple[str, str, str]],
                                                   dict[str, np.ndarray], dict[str, str]]:
     """Read an open log: ``(raw attrs, [(dataset, column, kind)], columns, units)``, the
-    columns cut to the consistent prefix (and to ``n_max`` rows when given)."""
+    columns cut to the consistent prefix. ``only_iteration``: check the other columns'
+    lengths but read no data but ``iteration``'s."""
     _check_schema(f, p)
     raw_attrs = {k: f.attrs[k] for k in f.attrs}
     file_size = max(p.stat().st_size, 1)
@@ -503,8 +504,6 @@ def _read_open(f: h5py.File, p: Path, live: bool,
     _check_size(d_it, k_it, p, file_size)
     its = _read_dataset(d_it)
     n = _row_count(its)
-    if n_max is not None:
-        n = min(n, n_max)
     budget = 2 * file_size + _READ_SLACK - n * 8
     columns: dict[str, np.ndarray] = {"iteration": its[:n].astype(np.int64, copy=False)}
     kinds = [(k_it, "iteration", "i")]
@@ -521,6 +520,8 @@ def _read_open(f: h5py.File, p: Path, live: bool,
         if budget < 0:
             raise LogError(f"{p}: its columns declare more data than the file's {file_size} "
                            "bytes can hold: corrupt log")
+        if only_iteration:
+            continue
         columns[col] = _read_dataset(d, n)
         kinds.append((key, col, _kind_of_dataset(d)))
     if short:
@@ -549,7 +550,7 @@ def _resolve(path: str | os.PathLike) -> Path:
 _LIVE_RETRY = 5.0    # seconds a reader of a live log keeps retrying a failed read
 
 
-def _read(p: Path, locking: bool | None, n_max: int | None = None):
+def _read(p: Path, locking: bool | None, only_iteration: bool = False):
     """:func:`_read_open` with the opening, one-line errors, and retries (for up to
     ``_LIVE_RETRY`` seconds) on a file marked open for writing: its writer may be extending
     it under the reader (HDF5 then fails a read with "len exceeds EOA" until the writer has
@@ -560,7 +561,7 @@ def _read(p: Path, locking: bool | None, n_max: int | None = None):
         f, live = _open_for_reading(p, locking)
         try:
             with f:
-                return _read_open(f, p, live, n_max) + (live,)
+                return _read_open(f, p, live, only_iteration) + (live,)
         except LogError:
             raise
         except _Torn:
@@ -604,7 +605,7 @@ def log_iterations(path: str | os.PathLike, *, locking: bool | None = None) -> n
     if not os.path.lexists(p):
         return None
     try:
-        _, _, columns, _, _ = _read(p, locking)
+        _, _, columns, _, _ = _read(p, locking, only_iteration=True)
     except EmptyLogError:
         return np.zeros(0, dtype=np.int64)
     return columns["iteration"]
