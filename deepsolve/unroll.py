@@ -163,9 +163,36 @@ def unroll(
         raise ValueError("unroll: offload= works with budget=, which lets the planner weigh it")
     else:
         sched = _resolve_schedule(schedule, snapshots, n_steps)
+        if sched.kind == "store_all" and n_steps >= _CHECK_STORE_ALL_FROM and \
+                torch.is_grad_enabled():
+            _check_store_all_fits(step, state, n_steps, params)
     return execute(step, state, sched, params=params, has_output=has_output,
                    preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
                    snapshot_dtype=snapshot_dtype)
+
+
+_CHECK_STORE_ALL_FROM = 10_000  # steps; the profile costs a few step evaluations (cached)
+
+
+def _check_store_all_fits(step, state, n_steps: int, params) -> None:
+    """A long store-all unroll (plain backpropagation keeps every step) whose predicted
+    peak exceeds the device's available memory is refused before it starts, not killed
+    by the system halfway through."""
+    from torch.utils import _pytree as pytree
+
+    from .memory import BudgetError, device_capacity, format_bytes, predicted_peak
+    from .memory.profiling import profile_step
+
+    leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        return
+    need = predicted_peak(profile_step(step, state, params=params), n_steps, "store_all")
+    have = device_capacity(leaves[0].device)
+    if need > have:
+        raise BudgetError(
+            f"unroll: store_all for {n_steps} steps needs about {format_bytes(need)}, more "
+            f"than the {format_bytes(have)} available on {leaves[0].device}; give budget= "
+            "(or snapshots=) so that the unroll is checkpointed")
 
 
 def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, params,

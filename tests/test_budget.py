@@ -26,6 +26,8 @@ def test_percentage_of_available_memory():
     ("12 parsecs", "unknown unit"), ("GiB", "cannot read"), ("-5MiB", "cannot read"),
     ("0MiB", "positive"), ("150%", "percentage"), (0, "positive"), (-3, "positive"),
     (True, "bytes or a string"), ([1], "bytes or a string"), ("", "cannot read"),
+    (float("inf"), "finite"), ("1e400", "finite"), ("1e400 GiB", "finite"),
+    (float("nan"), "positive"),
 ])
 def test_malformed(bad, match):
     with pytest.raises(ValueError, match=match):

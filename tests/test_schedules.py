@@ -208,3 +208,34 @@ def test_revolve_tail_counts():
                 assert st.peak_tapes == (m if n else 0)
     with pytest.raises(ValueError, match="tail"):
         S.revolve_tail(10, 2, 11)
+
+
+def test_repetitions_by_bisection_equal_the_definition():
+    """r(n, s) is the smallest r with beta(s, r) >= n; bisection gives it for huge n."""
+    for s in (1, 2, 3, 7, 40):
+        for n in list(range(0, 200)) + [10**4 + 7, 123457]:
+            r = S.repetitions(n, s)
+            assert S.beta(s, r) >= n and (r == 0 or S.beta(s, r - 1) < n), (n, s)
+    r = S.repetitions(10**12, 2)  # ~1.4e6 repetitions: found at once
+    assert S.beta(2, r) >= 10**12 > S.beta(2, r - 1)
+
+
+def test_summary_of_long_schedules_from_closed_forms(monkeypatch):
+    """``plan --steps 1000000000`` counts from closed forms; they equal the streamed counts."""
+    from deepsolve.schedules import diagram
+
+    cases = (S.revolve(3000, 7), S.periodic(3001, 40), S.periodic(3000, 40), S.store_all(500))
+    streamed = [diagram.summary(c) for c in cases]
+    monkeypatch.setattr(diagram, "_MAX_STREAMED", 10)
+    closed = [diagram.summary(c) for c in cases]
+
+    def counts(text):
+        rows = dict(line.split(None, 1) for line in text.splitlines() if line.strip())
+        return [rows[k].split()[0] for k in ("advances", "recorded", "peak")]
+
+    for a, b in zip(streamed, closed, strict=True):
+        assert "closed forms" in b and "closed forms" not in a
+        assert counts(a) == counts(b)
+    monkeypatch.undo()
+    text = diagram.summary(S.revolve(10**9, 2))
+    assert f"advances         {S.optimal_cost(10**9, 2)}" in text

@@ -561,3 +561,25 @@ def test_until_with_a_budget_keeps_memory_bounded():
     s = st.extra["online_snapshots"]
     assert s == 7 and (s - 1) * prof.state_bytes + need <= budget
     assert st.snapshot_bytes_peak <= (s - 1) * prof.state_bytes
+
+
+def test_store_all_that_cannot_fit_is_refused_before_it_starts():
+    """Plain backpropagation through 10^20 steps would grow until the system kills it: the
+    predicted peak is checked against the device's memory first (one-line BudgetError)."""
+    from deepsolve import BudgetError
+
+    w = torch.tensor(1.1, dtype=DT, requires_grad=True)
+
+    def step(x, i):
+        return x + 0.01 * torch.tanh(w * x)
+
+    x0 = torch.randn(64, dtype=DT, requires_grad=True)
+    with pytest.raises(BudgetError, match=r"store_all for \d+ steps needs about .* give budget="):
+        unroll(step, x0, 10**20)
+    y = unroll(step, x0, 10_000)  # long but small: runs, exactly as plain autograd
+    g = torch.autograd.grad(y.sum(), [x0, w])
+    ref = x0
+    for i in range(10_000):
+        ref = step(ref, i)
+    for a, b in zip(g, torch.autograd.grad(ref.sum(), [x0, w]), strict=True):
+        assert rel_err(a, b) <= 1e-10

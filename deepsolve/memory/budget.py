@@ -55,8 +55,8 @@ def parse_budget(budget: int | float | str, device: torch.device | str | None = 
         raise ValueError(f"budget must be bytes or a string such as '2GiB' or '80%', "
                          f"got {budget!r}")
     if isinstance(budget, (int, float)):
-        if budget <= 0 or budget != budget:
-            raise ValueError(f"budget must be positive, got {budget!r}")
+        if budget <= 0 or budget != budget or budget == float("inf"):
+            raise ValueError(f"budget must be a positive, finite number of bytes, got {budget!r}")
         return int(budget)
     if not isinstance(budget, str):
         raise ValueError(f"budget must be bytes or a string such as '2GiB' or '80%', "
@@ -74,6 +74,9 @@ def parse_budget(budget: int | float | str, device: torch.device | str | None = 
     if factor is None:
         raise ValueError(f"unknown unit {unit!r} in budget {budget!r}; use B, kB, MB, GB, "
                          "KiB, MiB, GiB or %")
+    if value == float("inf"):
+        raise ValueError(f"budget {budget!r} is not a finite number of bytes; write it with a "
+                         "unit, such as '12GiB'")
     nbytes = int(value * factor)
     if nbytes <= 0:
         raise ValueError(f"budget must be positive, got {budget!r}")

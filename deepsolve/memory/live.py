@@ -112,8 +112,8 @@ class LiveBytes:
                 continue
             if size > 0:
                 k = sentinels.pop(ptr, None) if size == 1 else None
-                if k is not None:  # a mark: the state of the sum just before it
-                    self._at[k], self._peak_at[k] = live, peak
+                if k is not None:  # a mark: the sum just before it, earlier marks' bytes out
+                    self._at[k], self._peak_at[k] = live - k, peak
                 mine.add(ptr)
             elif ptr in mine:
                 mine.discard(ptr)
@@ -122,8 +122,8 @@ class LiveBytes:
             live += size
             if live > peak:
                 peak = live
+        self.peak, self.end = peak, live - (len(self._marks) - len(sentinels))
         self._marks.clear()
-        self.peak, self.end = peak, live
 
 
 _primed = False

@@ -532,11 +532,17 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     from .budget import parse_budget
     from .profiling import profile_step
 
+    if not callable(step):
+        raise TypeError(f"plan: step must be callable as step(state, i), got "
+                        f"{type(step).__name__}")
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
         raise ValueError(f"plan: n_steps must be an integer >= 1, got {n_steps!r}")
+    leaves = pytree.tree_leaves(state)
+    if not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        raise TypeError(f"plan: the state must be a tensor or a pytree of tensors (the "
+                        f"unroll's x_0), got {type(state).__name__}")
     snapshot_dtype = check_snapshot_dtype(snapshot_dtype)
     policy_context(policy)  # a one-line error for an unknown policy, before profiling
-    leaves = pytree.tree_leaves(state)
     dev = device if device is not None else (leaves[0].device if leaves else None)
     nbytes = parse_budget(budget, dev)
     if dev is None or torch.device(dev).type == "cpu":

@@ -40,11 +40,20 @@ def _check(n_steps: int, snapshots: int) -> None:
 def repetitions(n_steps: int, snapshots: int) -> int:
     """The repetition number: the smallest ``r`` with ``beta(snapshots, r) >= n_steps``."""
     _check(n_steps, snapshots)
-    r, b = 0, 1
-    while b < n_steps:
-        r += 1
-        b = b * (snapshots + r) // r
-    return r
+    if n_steps <= 1:
+        return 0
+    # beta grows with r: double r until it reaches n, then bisect (O(log r) binomials, so
+    # n = 10^12 with two slots, r ~ 1.4e6, takes microseconds)
+    lo, hi = 0, 1
+    while beta(snapshots, hi) < n_steps:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if beta(snapshots, mid) >= n_steps:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def optimal_cost(n_steps: int, snapshots: int) -> int:

@@ -103,11 +103,48 @@ def png_diagram(schedule: Schedule, path: str) -> None:
     plt.close(fig)
 
 
+_MAX_STREAMED = 200_000  # longer revolve, periodic and store-all schedules: closed forms
+
+
+def _closed_form(schedule: Schedule) -> str | None:
+    """The counts of a long revolve, periodic or store-all schedule from closed forms (their
+    action streams are too long to walk: ``plan --steps 1000000000``)."""
+    from .cost import optimal_cost
+
+    n, kind = schedule.n_steps, schedule.kind
+    if n <= _MAX_STREAMED or kind not in ("revolve", "periodic", "store_all"):
+        return None
+    if kind == "store_all":
+        adv, slots, tapes = 0, 0, n
+    elif kind == "revolve":
+        slots = min(schedule.snapshots, n)
+        adv, tapes = optimal_cost(n, schedule.snapshots), 0
+    else:
+        k = schedule.every
+        last = (n - 1) // k * k
+        adv, slots, tapes = last, last // k, max(k, n - last)
+    return "\n".join([
+        f"schedule         {schedule!r}",
+        f"steps            {n}",
+        f"advances         {adv}  (unrecorded forward steps; closed form)",
+        f"recorded         {n}",
+        f"recompute factor {(adv + n) / n:.3f}  (forward evaluations per step)",
+        f"peak slots       {slots}" + ("  (x_0 included)" if kind == "revolve" else ""),
+        f"peak tapes       {tapes}  (recorded steps kept at once)",
+        f"(counted from closed forms: the schedule has over {_MAX_STREAMED} steps)",
+    ])
+
+
 def summary(schedule: Schedule) -> str:
-    """A few lines: the schedule's counts beside the optimum (the ``plan --steps`` output)."""
+    """A few lines: the schedule's counts beside the optimum (the ``plan --steps`` output).
+    Revolve, periodic and store-all schedules of more than 200,000 steps are counted from
+    closed forms instead of by walking their actions."""
     from .check import stats
     from .cost import optimal_cost
 
+    closed = _closed_form(schedule)
+    if closed is not None:
+        return closed
     st = stats(schedule)
     n = schedule.n_steps
     lines = [

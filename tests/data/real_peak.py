@@ -50,14 +50,15 @@ def build(kind: str):
             return x + 0.01 * torch.tanh(w * x) * torch.sin(x + 1e-3 * i)
 
         return step, x0.requires_grad_(), [w]
-    if kind == "conv":
-        side, batch = 128, 4 * MiB // (2 * 128 * 128 * 8)
-        lap = torch.tensor([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]], dtype=DT)
+    if kind in ("conv", "conv32"):
+        dt = DT if kind == "conv" else torch.float32  # float32: oneDNN's kernels, no im2col
+        side, batch = 128, 4 * MiB // (2 * 128 * 128 * dt.itemsize)
+        lap = torch.tensor([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]], dtype=dt)
         lap = lap.expand(2, 1, 3, 3).clone()
-        diff = torch.tensor([0.16, 0.08], dtype=DT).view(1, 2, 1, 1)
+        diff = torch.tensor([0.16, 0.08], dtype=dt).view(1, 2, 1, 1)
         net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, padding_mode="circular"), nn.Tanh(),
-                            nn.Conv2d(4, 2, 3, padding=1, padding_mode="circular")).to(DT)
-        x0 = torch.rand(batch, 2, side, side, dtype=DT)
+                            nn.Conv2d(4, 2, 3, padding=1, padding_mode="circular")).to(dt)
+        x0 = torch.rand(batch, 2, side, side, dtype=dt)
 
         def step(x, i):
             u, v = x[:, :1], x[:, 1:]
