@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .memory.meter import host_high_water_mark, process_status, reset_high_water_mark
 from .problem import (
     Context,
     Problem,
@@ -800,13 +801,15 @@ def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_p
             preempted = True
         else:
             bar = _progress(iterations, start, quiet or not main)
+            host_base = process_status("VmRSS:")  # the run's baseline for the real peak
             for it in range(start, iterations):
                 D.broadcast_buffers(dist, model)
                 row, last_loss = _iteration(problem, ctx, model, params, optimizer, scheduler,
                                             weights, it, clip, closure_opt,
                                             track and it % memory_every == 0,
-                                            MemoryMeter, dist)
+                                            MemoryMeter, dist, host_base)
                 _add_rank_peaks(dist, log, row, ctx.device)
+                _fit_memory_columns(log, row)
                 last = it == iterations - 1
                 for k in baseline:
                     row[f"metric/{k}"] = math.nan
@@ -855,14 +858,29 @@ def _add_rank_peaks(dist, log, row, device) -> None:
             row[f"{k}_max"] = nanmax([r[j] for r in per_rank])
 
 
+def _fit_memory_columns(log, row) -> None:
+    """A log resumed from a run that did not log the real and tracked peaks keeps its
+    columns (they are fixed by the first row): leave those two out of its rows."""
+    cols = log.columns
+    if cols:
+        for k in _MEMORY_COLUMNS:
+            if k not in cols:
+                row.pop(k, None)
+
+
+_MEMORY_COLUMNS = ("peak_real_memory", "peak_tracked_memory")
+
+
 def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, clip,
-               closure_opt, track, MemoryMeter, dist=None):
+               closure_opt, track, MemoryMeter, dist=None, host_base: int = 0):
     from .distributed import average_gradients
 
     dev = ctx.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
+    else:
+        reset_high_water_mark()  # this iteration's real peak, where the kernel allows
     ctx.unroll_stats.clear()
     meter = MemoryMeter(dev, stats=_StatsSum(ctx.unroll_stats)) if track else None
     t0 = time.perf_counter()
@@ -904,13 +922,16 @@ def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, c
     for k, v in timing["terms"].items():
         row[f"loss/{k}"] = float(v.detach())
     row.update(time=wall, time_forward=timing["forward"], time_backward=timing["backward"])
+    tracked = float(meter.tracked_peak) if meter is not None else math.nan
+    hwm = host_high_water_mark()
     if dev.type == "cuda":
         row["peak_device_memory"] = float(torch.cuda.max_memory_allocated(dev) - base)
+        row["peak_real_memory"] = row["peak_device_memory"]
     else:
-        row["peak_device_memory"] = float(meter.tracked_peak) if meter is not None else math.nan
-    from .memory.meter import host_high_water_mark
-
-    row["peak_host_memory"] = float(host_high_water_mark())
+        row["peak_device_memory"] = tracked
+        row["peak_real_memory"] = float(max(hwm - host_base, 0))
+    row["peak_tracked_memory"] = tracked
+    row["peak_host_memory"] = float(hwm)
     stats = ctx.unroll_stats
     row["advances"] = sum(s.advances for s in stats)
     row["recorded"] = sum(s.recorded for s in stats)

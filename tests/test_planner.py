@@ -66,7 +66,7 @@ def _budget_grid(fractions):
     return [int(lo * 1.02 * (hi / (1.02 * lo)) ** f) for f in fractions]
 
 
-@pytest.mark.parametrize("frac", [1.0, 0.8, 0.5, 0.25, 0.1, 0.0])
+@pytest.mark.parametrize("frac", [1.0, 0.7, 0.4, 0.15, 0.05])
 def test_budget_grid_tracked_peak_within_budget_and_exact(frac, reference):
     step, x0, params = make_step()
     budget = _budget_grid([frac])[0]
@@ -314,11 +314,11 @@ def test_memory_meter_lets_a_graph_dropped_without_backward_go():
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "real_peak.py")
 SWEEPS = {  # name: (step kind, steps, budgets, environment)
-    "pointwise": ("pointwise", 16, 5, {"MALLOC_MMAP_THRESHOLD_": "65536"}),
-    "conv": ("conv32", 8, 4, {"MALLOC_MMAP_THRESHOLD_": "65536"}),
-    "spectral": ("spectral", 12, 4, {"MALLOC_MMAP_THRESHOLD_": "65536"}),
-    "pointwise-default-malloc": ("pointwise", 16, 4, {}),
-    "conv-default-malloc": ("conv32", 8, 3, {}),
+    "pointwise": ("pointwise", 12, 4, {"MALLOC_MMAP_THRESHOLD_": "65536"}),
+    "conv": ("conv32", 6, 4, {"MALLOC_MMAP_THRESHOLD_": "65536"}),
+    "spectral": ("spectral", 10, 4, {"MALLOC_MMAP_THRESHOLD_": "65536"}),
+    "pointwise-default-malloc": ("pointwise", 12, 3, {}),
+    "conv-default-malloc": ("conv32", 6, 2, {}),
 }
 
 
@@ -388,22 +388,14 @@ def test_real_peak_stays_within_the_budget(name, real_peaks):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_same_budget_same_plan_in_fresh_processes_under_load():
-    """One budget gives one plan: ten fresh processes (two at a time, beside a busy loop) plan
-    the same budgets — near the minimum, in the middle and near store-all, where recorded
-    tails and recomputation policies are weighed — and agree on every plan."""
-    import subprocess
-    import sys
-
-    budgets = {"pointwise": [50 * MiB, 120 * MiB, 250 * MiB],
-               "spectral": [60 * MiB, 110 * MiB, 200 * MiB]}
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        jobs = {f"{kind}-{k}": ((kind, 16, "plan", *bs), _child_env({}))
-                for kind, bs in budgets.items() for k in range(10)}
-        out = _run_children(jobs)
-    finally:
-        burner.kill()
-        burner.wait()
-    for kind in budgets:
-        plans = {tuple(r["plan"] for r in out[f"{kind}-{k}"]) for k in range(10)}
-        assert len(plans) == 1, (kind, plans)
+    """One budget gives one plan: ten fresh processes (three at a time on two cores) plan the
+    same budgets of the spectral step — from near the minimum to near store-all, where
+    recorded tails and the three recomputation policies (FFTs: save_fft keeps something)
+    are weighed — and agree on every plan."""
+    items = [f"spectral:{b * MiB}" for b in (52, 75, 110, 150, 200, 280)]
+    out = _run_children({k: (("plans", 16, *items), _child_env({})) for k in range(10)},
+                        parallel=3)  # three processes on the suite's two cores: loaded
+    plans = {tuple(f"{r['kind']} {r['budget'] // MiB} MiB: {r['plan']}" for r in out[k])
+             for k in range(10)}
+    assert len(plans) == 1, plans
+    assert len(next(iter(plans))) == len(items)

@@ -97,6 +97,37 @@ def test_budget_run_keeps_its_memory_in_the_log(tmp_path):
     peak = log.columns["peak_device_memory"]
     assert np.all(np.isfinite(peak)) and np.all(peak > 0)
     assert np.all(peak <= budget)
+    tracked, real = log.columns["peak_tracked_memory"], log.columns["peak_real_memory"]
+    np.testing.assert_array_equal(tracked, peak)
+    assert np.all(np.isfinite(real)) and np.all(real >= 0)
+
+
+def test_real_peak_is_logged_per_iteration(tmp_path):
+    """``peak_real_memory``: the resident-set high-water mark of each iteration above the
+    run's baseline; an iteration that allocates 64 MiB more shows it, the others do not."""
+    from deepsolve.memory.meter import reset_high_water_mark
+
+    if not reset_high_water_mark():
+        pytest.skip("the kernel refuses to reset VmHWM (/proc/self/clear_refs)")
+    out = tmp_path / "run"
+    assert run_cli("train", TINY, "--out", out, "--iterations", 4, "--quiet",
+                   "--set", "spike_at=2") == 0
+    log = read_log(out / "log.h5")
+    real = log.columns["peak_real_memory"]
+    assert np.all(np.isnan(log.columns["peak_tracked_memory"]))  # no budget: nothing tracked
+    assert real[2] >= 60 * 2**20 and max(real[0], real[1], real[3]) < real[2] / 2, real
+
+
+def test_resuming_a_log_without_the_real_peak_columns(tmp_path):
+    """A log written before ``peak_real_memory`` existed resumes with its own columns."""
+    out = tmp_path / "run"
+    assert run_cli("train", TINY, "--out", out, "--iterations", 2, "--quiet") == 0
+    with h5py.File(out / "log.h5", "a") as f:  # as an older trainer wrote it
+        del f["peak_real_memory"], f["peak_tracked_memory"]
+    assert run_cli("train", TINY, "--out", out, "--iterations", 4, "--quiet", "--resume") == 0
+    log = read_log(out / "log.h5")
+    np.testing.assert_array_equal(log.columns["iteration"], np.arange(4))
+    assert "peak_real_memory" not in log.columns
 
 
 GATED = os.path.join(HERE, "data", "gated_problem.py")

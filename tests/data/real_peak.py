@@ -1,7 +1,7 @@
 """Child process of tests/test_planner.py: the *real* peak of budgeted unrolls.
 
-    python tests/data/real_peak.py KIND N_STEPS N_BUDGETS        # measure a budget sweep
-    python tests/data/real_peak.py KIND N_STEPS plan BUDGET...   # print the plans only
+    python tests/data/real_peak.py KIND N_STEPS N_BUDGETS          # measure a budget sweep
+    python tests/data/real_peak.py plans N_STEPS KIND:BUDGET...    # print the plans only
 
 ``KIND`` is one of three steps of different character, each with a 4 MiB float64 state:
 
@@ -101,13 +101,18 @@ def budgets(prof, n: int, count: int) -> list[int]:
 
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
-    kind, n = argv[0], int(argv[1])
-    step, x0, params = build(kind)
-    if argv[2] == "plan":
-        for b in argv[3:]:
-            print(json.dumps({"budget": int(b),
+    if argv[0] == "plans":
+        n, steps = int(argv[1]), {}
+        for item in argv[2:]:
+            kind, b = item.split(":")
+            if kind not in steps:
+                steps[kind] = build(kind)
+            step, x0, _ = steps[kind]
+            print(json.dumps({"kind": kind, "budget": int(b),
                               "plan": deepsolve.plan(step, x0, n, budget=int(b)).describe()}))
         return
+    kind, n = argv[0], int(argv[1])
+    step, x0, params = build(kind)
     # warm-up, as the first iteration of a training loop: the planner (which also fixes the
     # C library's heap thresholds), the profiles under each policy, one unroll
     prof = deepsolve.plan(step, x0, n, budget=2**50).profile

@@ -15,7 +15,8 @@ class Model(torch.nn.Module):
 
 class Decay(deepsolve.Problem):
     defaults = {"iterations": 12, "lr": 0.05, "steps": 50, "dt": 0.02, "true_rate": 0.8,
-                "sleep": 0.0, "checkpoint_every": 3, "eval_every": 4, "batch": 4}
+                "sleep": 0.0, "checkpoint_every": 3, "eval_every": 4, "batch": 4,
+                "spike_at": -1}
 
     def build(self, ctx):
         ctx.model = Model().to(ctx.device, ctx.dtype)
@@ -29,6 +30,9 @@ class Decay(deepsolve.Problem):
     def residuals(self, ctx, iteration):
         if ctx.cfg.sleep:
             time.sleep(ctx.cfg.sleep)
+        if iteration == ctx.cfg.spike_at:  # 64 MiB touched and freed: a real-peak spike
+            spike = torch.ones(2**24)
+            del spike
         xT = ctx.unroll(self.step, ctx.data["x0"])
         return {"misfit": ((xT - ctx.data["xT"]) ** 2).mean(),
                 "prior": 1e-4 * ctx.model.rate ** 2}
