@@ -285,10 +285,11 @@ def _time(profile: StepProfile, n: int, advances: float, io: float = 0.0, kept: 
           q: StepProfile | None = None) -> float:
     """Predicted time relative to the plain unroll; ``kept`` steps recorded under ``q``.
 
-    A kept step under a policy costs its measured record + backward time, but never less
-    than the plain step's plus a floor for the recomputation of what the policy drops: a whole
-    unrecorded step for a policy that keeps nothing, a quarter of ``t_advance`` times the
-    dropped fraction of the kept bytes otherwise (the ops a policy drops are the cheap ones).
+    A kept step under a policy costs the plain step's plus its measured extra time (timed
+    side by side with the plain step, ``t_extra``), but at least a floor for the
+    recomputation of what the policy drops: a whole unrecorded step for a policy that keeps
+    nothing, a quarter of ``t_advance`` times the dropped fraction of the kept bytes
+    otherwise (the ops a policy drops are the cheap ones).
     Recomputation is not free, and the floor keeps timing noise from making a policy look
     free."""
     p = profile
@@ -298,7 +299,9 @@ def _time(profile: StepProfile, n: int, advances: float, io: float = 0.0, kept: 
     extra = 0.0
     if q is not None and kept and q.policy != "none":
         floor = p.t_advance * (1.0 if q.recomputes_all else 0.25 * _drop_fraction(p, q))
-        extra = kept * max((q.t_record + q.t_backward) - (p.t_record + p.t_backward), floor)
+        measured = q.t_extra if q.t_extra is not None else \
+            (q.t_record + q.t_backward) - (p.t_record + p.t_backward)
+        extra = kept * max(measured, floor)
     return (advances * p.t_advance + plain + io + extra) / plain
 
 

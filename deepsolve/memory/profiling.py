@@ -70,7 +70,7 @@ from ..executor import (
     save_fft,
     saved_bytes,
 )
-from .live import LiveBytes
+from .live import LiveBytes, heap_in_use
 
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
@@ -78,6 +78,9 @@ __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 @dataclass(frozen=True)
 class StepProfile:
     """Measured sizes [bytes] and times [s] of one step; see the module docstring.
+
+    ``t_extra`` (policy profiles): what recording and reversing a step under the policy
+    costs beyond the plain step, the median of differences timed side by side.
 
     ``policy`` names the recomputation policy the recorded step was measured under
     (``"none"``: plain autograd); ``base_tape_bytes`` is then the plain tape (``None`` for
@@ -106,6 +109,7 @@ class StepProfile:
     measured: bool = True
     saves: int | None = None
     base_reverse_bytes: int | None = None
+    t_extra: float | None = None
 
     @property
     def plain_reverse_bytes(self) -> int:
@@ -193,6 +197,10 @@ def profile_step(step, state, *, params: list[torch.Tensor] | None = None, repea
         return _profile_policy(step, state, params, repeats, cache, policy, context_fn, base)
 
 
+def _record_plain(step, spec, leaves, i):
+    return _call(step, leaves, spec, i)
+
+
 def _flatten(state) -> tuple[list[torch.Tensor], Any]:
     if isinstance(state, torch.Tensor):
         return [state], None
@@ -247,7 +255,7 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
     reversed, and of two chained recorded steps; the tape by ``saved_tensors_hooks``."""
     x_in = _fresh(x)
     seeds = [torch.ones_like(t) for t in x]  # lambda_{i+1}: alive before the step
-    skip = {t.untyped_storage().data_ptr() for t in x_in}
+    skip = {t.untyped_storage().data_ptr() for t in x}
     seen: dict[int, int] = {}
 
     def pack(t, seen=seen, skip=skip):
@@ -261,14 +269,37 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
         return t.detach() if t.grad_fn is not None else t  # no cycle via grad_fn
 
     mem = _Memory()
+    # first a recorded step and its backward, not measured: the caches the first one fills
+    # (kernel plans, engine state) are not the step's; its saved tensors give the tape
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, _identity) if count_tape else None
-    with LiveBytes(device) as lb:
+    with torch.enable_grad():
+        warm = _fresh(x)
+        if hooks is not None:
+            with hooks:
+                y, out = record(warm, 0)
+        else:
+            y, out = record(warm, 0)
+        roots, _, inputs = _roots_and_inputs(y, out, warm, params)
+        if roots and inputs:
+            torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
+                                allow_unused=True)
+        del y, out, roots, inputs, warm
+    # what the C library hands out for a kept step and one more chained step: tensors and
+    # the C++ objects of their graph (measured without the profiler, whose event records
+    # are allocated with malloc too)
+    heap: tuple[int, int] | None = None
+    if device.type == "cpu" and heap_in_use() is not None:
         with torch.enable_grad():
-            if hooks is not None:
-                with hooks:
-                    y, out = record(x_in, 0)
-            else:
-                y, out = record(x_in, 0)
+            h0 = heap_in_use()
+            y1, _ = record(_fresh(x), 0)
+            h1 = heap_in_use()
+            y2, out2 = record(y1, 1)
+            h2 = heap_in_use()
+            del y1, y2, out2
+        heap = (max(h1 - h0, 0), max(h2 - h1, 0))
+    with LiveBytes(device) as lb:  # no hooks here: they would add objects of their own
+        with torch.enable_grad():
+            y, out = record(x_in, 0)
         k = lb.mark()
         roots, found, inputs = _roots_and_inputs(y, out, x_in, params)
         if roots and inputs:
@@ -282,22 +313,43 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
         mem.grads = sum(_nbytes(p) for p in found if p.requires_grad)
         del y, out, roots, grads
     mem.measured = lb.measured
-    mem.kept = lb.at(k)
+    tensors = lb.at(k)
+    # beside its tensors a kept step holds its autograd graph (C++ nodes, saved-variable
+    # records, tensor metadata): what the C library handed out beyond the tensor bytes
+    objects = max(heap[0] - tensors, 0) if heap is not None else 0
+    mem.kept = tensors + objects
     # the output seeds were allocated inside the window; in an unroll they are slices of
     # the caller's output gradients, counted with the stacked outputs
-    mem.reverse = max(lb.peak - mem.output, mem.kept)
+    mem.reverse = max(lb.peak - mem.output, tensors) + objects
     mem.tape = sum(seen.values())
     with LiveBytes(device) as lb, torch.enable_grad():
         y1, _ = record(_fresh(x), 0)
         y2, out2 = record(y1, 1)
         k = lb.mark()
         del y1, y2, out2
-    mem.chain = max(lb.at(k) - mem.kept, 0)
+    mem.chain = max(lb.at(k) - tensors, heap[1] if heap is not None else 0, 0)
     return mem
 
 
 def _identity(t):
     return t
+
+
+def _timed(record, x: list[torch.Tensor], params, cuda: bool) -> tuple[float, float]:
+    """Seconds to record one step with ``record(leaves, i)`` and to run its backward."""
+    x_in = _fresh(x)
+    _sync(cuda)
+    t0 = time.perf_counter()
+    with torch.enable_grad():
+        y, out = record(x_in, 0)
+    _sync(cuda)
+    t1 = time.perf_counter()
+    roots, _, inputs = _roots_and_inputs(y, out, x_in, params)
+    if roots and inputs:
+        torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
+                            allow_unused=True)
+    _sync(cuda)
+    return t1 - t0, time.perf_counter() - t1
 
 
 def _estimate(mem: _Memory, state_bytes: int) -> _Memory:
@@ -327,27 +379,11 @@ def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile
             _call(step, x, spec, 0)
             _sync(cuda)
             t_adv.append(time.perf_counter() - t0)
-    mem = _measure(lambda xs, i: _call(step, xs, spec, i), x, params, device)
+    plain = functools.partial(_record_plain, step, spec)
+    mem = _measure(plain, x, params, device)
     if not mem.measured:
         mem = _estimate(mem, state_bytes)
-    t_rec, t_bwd = [], []
-    for _ in range(repeats):
-        x_in = _fresh(x)
-        _sync(cuda)
-        t0 = time.perf_counter()
-        with torch.enable_grad():
-            y, out = _call(step, x_in, spec, 0)
-        _sync(cuda)
-        t1 = time.perf_counter()
-        roots, _, inputs = _roots_and_inputs(y, out, x_in, params)
-        if roots and inputs:
-            torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
-                                allow_unused=True)
-        _sync(cuda)
-        t2 = time.perf_counter()
-        t_rec.append(t1 - t0)
-        t_bwd.append(t2 - t1)
-        del y, out, roots, inputs
+    t_rec, t_bwd = zip(*(_timed(plain, x, params, cuda) for _ in range(repeats)), strict=True)
     prof = StepProfile(
         state_bytes=state_bytes, tape_bytes=mem.tape, output_bytes=mem.output,
         grad_bytes=mem.grads, scratch_bytes=max(mem.reverse - mem.kept, 0),
@@ -430,32 +466,24 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
         mem.tape = max(mem.kept - base.state_bytes - base.output_bytes, 0)
     if not mem.measured:
         mem = _estimate(mem, base.state_bytes)
-    t_rec, t_bwd = [], []
+    # timed interleaved with the plain step, so that the policy's extra time per kept step
+    # is a median of paired differences: a load that drifts during profiling cancels
+    plain = functools.partial(_record_plain, step, spec)
+    t_rec, t_bwd, t_extra = [], [], []
     for r in range(repeats + 1):  # the first run is a warm-up
-        x_in = _fresh(x)
-        _sync(cuda)
-        t0 = time.perf_counter()
-        with torch.enable_grad():
-            y, out = record(x_in, 0)
-        _sync(cuda)
-        t1 = time.perf_counter()
-        roots, _, inputs = _roots_and_inputs(y, out, x_in, params)
-        if roots and inputs:
-            torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
-                                allow_unused=True)
-        _sync(cuda)
-        t2 = time.perf_counter()
+        a = _timed(plain, x, params, cuda)
+        b = _timed(record, x, params, cuda)
         if r:
-            t_rec.append(t1 - t0)
-            t_bwd.append(t2 - t1)
-        del y, out, roots, inputs
+            t_rec.append(b[0])
+            t_bwd.append(b[1])
+            t_extra.append(b[0] + b[1] - a[0] - a[1])
     prof = dataclasses.replace(
         base, policy=name, tape_bytes=mem.tape, base_tape_bytes=base.tape_bytes,
         base_reverse_bytes=base.reverse_bytes,
         t_record=statistics.median(t_rec), t_backward=statistics.median(t_bwd),
         kept_bytes=mem.kept, reverse_bytes=mem.reverse, chain_bytes=mem.chain,
         scratch_bytes=max(mem.reverse - mem.kept, 0), measured=mem.measured and base.measured,
-        saves=saves)
+        saves=saves, t_extra=statistics.median(t_extra))
     if cacheable:
         _store(key, step, prof)
     return prof
