@@ -159,7 +159,7 @@ def anderson_reference(f, z0, k, m, lam, beta):
     return zs[-1]
 
 
-@pytest.mark.parametrize("kw", [{}, {"snapshots": 3}, {"budget": "6KiB"}])
+@pytest.mark.parametrize("kw", [{}, {"snapshots": 3}, {"budget": "10KiB"}])
 def test_unrolled_picard_equals_plain_autograd(kw):
     W, x, w = deq(d=8, B=3, seed=7, norm=0.95, xscale=0.3)
     z0 = (0.1 * torch.ones(3, 8, dtype=F64)).requires_grad_()

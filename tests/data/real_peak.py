@@ -7,7 +7,7 @@
 
 * ``pointwise`` — ``x + 0.01 tanh(w x) sin(x + 1e-3 i)``: memory in pointwise temporaries;
 * ``conv`` — Gray–Scott reaction–diffusion of a batch of 2-field 128² grids, the Laplacian as
-  a depthwise convolution, plus a 2→4→2 convolutional closure: im2col buffers;
+  a depthwise convolution, plus a two-layer 3x3 convolutional closure: convolution buffers;
 * ``spectral`` — a pseudo-spectral Allen–Cahn-type step, diffusion by ``rfft2``/``irfft2``
   with a learnable viscosity: complex intermediates of half the spectrum.
 
@@ -56,8 +56,8 @@ def build(kind: str):
         lap = torch.tensor([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]], dtype=dt)
         lap = lap.expand(2, 1, 3, 3).clone()
         diff = torch.tensor([0.16, 0.08], dtype=dt).view(1, 2, 1, 1)
-        net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, padding_mode="circular"), nn.Tanh(),
-                            nn.Conv2d(4, 2, 3, padding=1, padding_mode="circular")).to(dt)
+        net = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, padding_mode="circular"), nn.Tanh(),
+                            nn.Conv2d(2, 2, 3, padding=1, padding_mode="circular")).to(dt)
         x0 = torch.rand(batch, 2, side, side, dtype=dt)
 
         def step(x, i):
@@ -68,9 +68,9 @@ def build(kind: str):
             return x + 0.5 * (diff * lx + react) + 0.01 * net(x)
 
         return step, x0.requires_grad_(), list(net.parameters())
-    if kind == "spectral":
+    if kind in ("spectral", "spectral-small"):
         side = 256
-        batch = 4 * MiB // (side * side * 8)
+        batch = 4 * MiB // (side * side * 8) if kind == "spectral" else 1  # 4 or 0.5 MiB
         k = torch.fft.fftfreq(side, 1 / side, dtype=DT)
         kr = torch.fft.rfftfreq(side, 1 / side, dtype=DT)
         k2 = k[:, None] ** 2 + kr[None, :] ** 2
