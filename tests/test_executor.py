@@ -357,7 +357,7 @@ def test_a_constant_that_stops_being_one_at_an_early_step_is_refused():
 @pytest.mark.parametrize("kw", [{"schedule": "store_all"}, {"snapshots": 2}, {"snapshots": 3},
                                 {"schedule": "periodic"}, {"schedule": S.revolve_tail(20, 2, 4)},
                                 {"schedule": S.two_level(20, 2, 2, write_cost=1, read_cost=1)},
-                                {"budget": 800}, {"budget": 1200}],
+                                {"budget": 1.1}, {"budget": 1.6}],
                          ids=lambda kw: "-".join(f"{k}={v!r}" for k, v in kw.items()))
 def test_a_parameter_used_only_at_early_steps_gets_its_gradient(kw):
     """p is used at steps 0..2 of 20 only; its gradient is plain autograd's under every
@@ -372,6 +372,11 @@ def test_a_parameter_used_only_at_early_steps_gets_its_gradient(kw):
 
     n = 20
     ref = torch.autograd.grad(plain(step, x0, n).sum(), [p, w])
+    if "budget" in kw:  # a factor of the planner's minimum budget
+        from deepsolve.memory import predicted_peak, profile_step
+
+        least = predicted_peak(profile_step(step, x0), n, "revolve", 1)
+        kw = {"budget": int(kw["budget"] * least)}
     st = deepsolve.UnrollStats()
     y = unroll(step, x0, n, stats=st, **kw)
     if "budget" in kw:  # a small budget: revolve or mixed (1 GiB would be store_all)

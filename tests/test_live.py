@@ -65,7 +65,8 @@ def test_profile_measures_the_working_set_of_a_pointwise_step():
 
     p = profile_step(step, torch.randn(N, dtype=DT), cache=False)
     slack = 64  # 0-dim tensors (the parameter's gradient, the scalar 0.01)
-    graph = 8192  # a kept step's autograd graph itself: nodes, saved-variable records
+    graph = 65536  # a kept step's autograd graph itself (nodes, saved-variable records),
+    # counted by the C library, which also sees the interpreter's own allocations meanwhile
     assert p.measured
     # unrecorded: w x, tanh, 0.01 tanh, x + c, sin, product, sum -- three alive at once
     assert 3 * B <= p.advance_bytes <= 3 * B + slack

@@ -90,7 +90,7 @@ def test_bad_problem_files(tmp_path, content, match, capsys):
 
 def test_budget_run_keeps_its_memory_in_the_log(tmp_path):
     out = tmp_path / "run"
-    budget = 3000  # bytes: a 4-element float32 state, 50 steps
+    budget = 8000  # bytes: a 64-element float32 state, 50 steps
     assert run_cli("train", TINY, "--out", out, "--iterations", 3, "--quiet",
                    "--budget", budget, "--set", "batch=64") == 0
     log = read_log(out / "log.h5")
@@ -237,7 +237,7 @@ def test_report_writes_pngs_and_rejects_corrupt_logs(tmp_path, capsys):
 
 
 def test_plan_command_for_a_problem(capsys):
-    assert run_cli("plan", TINY, "--budget", "3000", "--set", "batch=64") == 0
+    assert run_cli("plan", TINY, "--budget", "20000", "--set", "batch=64") == 0
     out = capsys.readouterr().out
     assert "chosen:" in out and "store_all" in out
     assert run_cli("plan", TINY) == 2
