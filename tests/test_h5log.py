@@ -581,3 +581,129 @@ def test_empty_and_never_flushed_logs_are_empty_not_broken(tmp_path):
     with H5Log(q, resume=True) as log:
         log.append(row(0))
     assert read_log(q).n_rows == 1
+
+
+# ---------------------------------------------- the reading recipes of docs/h5-log.md, live
+
+DOC = ROOT / "docs" / "h5-log.md"
+DOC_LOG = "runs/heat/log.h5"          # the path the recipes read
+
+WEIGHTED = '''
+
+
+class Weighted(GatedDecay):
+    def weights(self, ctx):
+        return {"prior": 10.0}
+
+
+problem = Weighted()
+'''
+
+
+def doc_snippets() -> dict[str, str]:
+    """The recipes marked ``<!-- snippet: NAME ... -->`` in docs/h5-log.md, by name."""
+    import re
+
+    text = DOC.read_text()
+    found = re.findall(r"<!-- snippet: (\S+)[^\n]*-->\n```python\n(.*?)```", text, re.S)
+    return dict(found)
+
+
+@pytest.fixture(scope="module")
+def live_trainer(tmp_path_factory):
+    """A trainer (the gated decay problem with a loss weight) that has flushed rows 0..5 and
+    waits inside iteration 7 until the test is done: its log is open for SWMR writing."""
+    import time
+
+    d = tmp_path_factory.mktemp("live")
+    problem = d / "weighted.py"
+    problem.write_text((ROOT / "tests" / "data" / "gated_problem.py").read_text() + WEIGHTED)
+    out, gate = d / "run", d / "gate"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deepsolve", "train", str(problem), "--out", str(out), "--quiet",
+         "--iterations", "12", "--set", f"gate={gate}", "--set", "gate_at=7"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{gate}.waiting"):
+            if proc.poll() is not None:
+                pytest.fail(f"the trainer ended (rc {proc.returncode}): {proc.stderr.read()}")
+            assert time.monotonic() < deadline, "the trainer never reached its gate"
+            time.sleep(0.02)
+        yield proc, out / "log.h5"
+    finally:
+        gate.touch()
+        try:
+            proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=60)
+
+
+def _run_snippet(name: str, path: Path) -> dict:
+    code = doc_snippets()[name]
+    assert DOC_LOG in code, f"the {name} recipe no longer reads {DOC_LOG}"
+    ns: dict = {}
+    exec(compile(code.replace(DOC_LOG, str(path)), f"docs/h5-log.md ({name})", "exec"), ns)
+    return ns
+
+
+def _check_snippet(name: str, ns: dict, weights: dict) -> int:
+    """What each recipe read: whole rows, the weighted terms adding up to the loss."""
+    if name == "read_log":
+        log = ns["log"]
+        n = log.n_rows
+        np.testing.assert_array_equal(ns["it"], np.arange(n))
+        assert ns["w"] == weights
+        np.testing.assert_allclose(sum(ns["weighted"].values()), ns["loss"], rtol=1e-6,
+                                   atol=1e-7)
+        return n
+    if name == "h5py":
+        n = ns["n"]
+        np.testing.assert_array_equal(ns["it"], np.arange(n))
+        assert ns["weights"] == weights and len(ns["schedule"]) == n
+        assert all(isinstance(s, str) for s in ns["schedule"])
+        total = sum(weights.get(c[len("loss/"):], 1.0) * v for c, v in ns["terms"].items())
+        np.testing.assert_allclose(total, ns["loss"], rtol=1e-6, atol=1e-7)
+        assert ns["names"]["iteration"] == "iteration"
+        return n
+    df = ns["df"]
+    n = len(df)
+    np.testing.assert_array_equal(df["iteration"].to_numpy(), np.arange(n))
+    assert isinstance(df["schedule"].iloc[0], str) and not df["loss"].isna().any()
+    return n
+
+
+@pytest.mark.parametrize("name", ["read_log", "h5py", "pandas"])
+def test_doc_recipes_read_a_log_that_a_trainer_is_writing(live_trainer, name):
+    """The h5py and pandas recipes of docs/h5-log.md used a plain h5py.File(path, "r"),
+    which refuses a live log ("file is already open for write"): they now open it with
+    swmr=True. Each recipe runs, as the doc has it, on the log of a trainer that is still
+    running (waiting inside iteration 7, rows 0..5 flushed)."""
+    if name == "pandas":
+        try:
+            import pandas  # noqa: F401
+        except ImportError:
+            pytest.skip("pandas is not installed (deepsolve does not depend on it): the "
+                        "pandas recipe cannot run here; the read_log and h5py ones do")
+    proc, path = live_trainer
+    assert proc.poll() is None and H._superblock(path)[1] & 0x4   # being written, SWMR
+    ns = _run_snippet(name, path)
+    assert proc.poll() is None and H._superblock(path)[1] & 0x4   # and still is
+    assert _check_snippet(name, ns, {"prior": 10.0}) >= 6
+
+
+@pytest.mark.parametrize("name", ["read_log", "h5py", "pandas"])
+def test_doc_recipes_read_a_closed_log(tmp_path, name):
+    if name == "pandas":
+        try:
+            import pandas  # noqa: F401
+        except ImportError:
+            pytest.skip("pandas is not installed (deepsolve does not depend on it)")
+    p = tmp_path / "log.h5"
+    with H5Log(p, attrs={"config": {"k": 1}, "weights": {"pde": 2.0}}) as log:
+        for i in range(5):
+            log.append(row(i, loss=2.0 * 0.5 / (i + 1)))
+    assert H._superblock(p)[1] & 0x5 == 0                         # closed cleanly
+    assert _check_snippet(name, _run_snippet(name, p), {"pde": 2.0}) == 5

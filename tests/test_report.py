@@ -38,10 +38,10 @@ def test_report_text_and_plots(tmp_path):
                   "store_all (10 rows)", "139.0 MiB", "64.0 MiB", "1200 unrecorded",
                   "400 recorded", "problem", "optim.lr", "rows             40"):
         assert piece in text, piece
-    # last/best total loss, first/last of each term, last finite metric (iteration 30)
+    # last/best total loss, first/last of each term, first and last finite metric (0 and 30)
     assert "last 0.025 (iteration 39), best 0.025 (iteration 39)" in text
     assert "0.75" in text and "0.01875" in text
-    assert "0.016129" in text and " 30" in text
+    assert "metric/rel_err_u           0.5      0.016129  0..30" in text
     assert "median 0.51 s" in text
     for name in ("loss.png", "memory.png", "time.png", "metrics.png"):
         p = run / name
@@ -228,17 +228,24 @@ def test_report_work_is_bounded_for_thousands_of_metrics(tmp_path, monkeypatch):
         for j in range(n_metrics):
             d = f.create_dataset(f"metric.m{j}", data=np.full(4, 1.0 + j))
             d.attrs["column"] = f"metric/m{j}"
-    drawn = []
-    real = R._plot
+    built = {}
+    real = R._figures
 
-    def counting(path, it, series, *a):
-        drawn.append((path.name, len(series)))
-        return real(path, it, series, *a)
+    def keeping(log):
+        figs, left_out = real(log)
+        built.update(figs)
+        return figs, left_out
 
-    monkeypatch.setattr(R, "_plot", counting)
+    monkeypatch.setattr(R, "_figures", keeping)
     text = report(tmp_path)
-    assert dict(drawn)["metrics.png"] == R.MAX_SERIES
-    assert f"metrics.png (the first {R.MAX_SERIES} of {n_metrics} metrics)" in text
+    fig = built["metrics.png"]
+    # 3000 names without a shared first token: one panel each, MAX_PANELS of them drawn
+    drawn = min(R.MAX_SERIES, R.MAX_PANELS)
+    assert len(fig.axes) == drawn
+    assert sum(len(ax.get_lines()) for ax in fig.axes) == drawn
+    assert [ax.get_title() for ax in fig.axes] == [f"m{j}" for j in range(drawn)]
+    assert f"first {drawn} of {n_metrics} metrics drawn" in fig._suptitle.get_text()
+    assert f"metrics.png (the first {drawn} of {n_metrics} metrics)" in text
     assert f"... ({n_metrics - R.MAX_TABLE_ROWS} more metrics)" in text
     assert sum(line.startswith("metric/") for line in text.splitlines()) == R.MAX_TABLE_ROWS
 
@@ -258,3 +265,257 @@ def test_report_out_at_a_file_or_proc_is_one_line(tmp_path, capsys):
         assert main(["report", str(run), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("deepsolve report: error: --out") and err.count("\n") == 1, err
+
+
+# -------------------------------------------------- what the plots draw (issue: report plots)
+
+
+def _figs(log_dir):
+    from deepsolve.io.report import figures
+
+    return figures(read_log(log_dir))
+
+
+def _lines(ax, include_hidden=False):
+    """label -> Line2D of an axes (labels starting with "_" are not in the legend)."""
+    return {ln.get_label(): ln for ln in ax.get_lines()
+            if include_hidden or not ln.get_label().startswith("_")}
+
+
+def _baselines(ax):
+    """The before-training markers of a panel: lines drawn at iteration -1 only."""
+    return [ln for ln in ax.get_lines() if list(ln.get_xdata()) == [-1.0]]
+
+
+def metrics_log(path, n=20, initial=True):
+    it = np.arange(n)
+    cols = {
+        "rel_err_closure": 0.1 * 0.7**it,           # spans 1e-1 .. 1e-4: log axis
+        "rel_err_coarse": 0.2 * 0.75**it,
+        "ratio_cfl": 0.5 + 0.01 * it,              # positive, within a factor 10: linear
+        "time_solve": 1.0 + 0.1 * it,
+        "drift": -1.0 + 0.5 * it,                   # crosses zero: linear
+        "never": np.full(n, math.nan),              # never evaluated: no panel
+    }
+    attrs = {"device": "cpu"}
+    if initial:
+        attrs["initial_metrics"] = {"rel_err_closure": 0.9, "rel_err_coarse": 0.8,
+                                    "ratio_cfl": 0.3}
+    with H5Log(path, attrs=attrs) as log:
+        for i in range(n):
+            log.append({"iteration": i, "loss": 1.0 / (i + 1),
+                        **{f"metric/{k}": float(v[i]) for k, v in cols.items()}})
+    return cols
+
+
+def test_metrics_one_panel_per_group_with_the_baseline(tmp_path):
+    """metrics.png drew relative errors, a ratio and times on one log axis labelled "value":
+    now one panel per group of names sharing their first token, each scaled for itself, and
+    the metric before training as a marker at iteration -1."""
+    cols = metrics_log(tmp_path / "log.h5")
+    fig = _figs(tmp_path)["metrics.png"]
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    assert list(axes) == ["rel_err", "ratio_cfl", "time_solve", "drift"]
+    assert all(ax.get_ylabel() != "value" for ax in fig.axes)
+    rel = _lines(axes["rel_err"])
+    assert set(rel) == {"rel_err_closure", "rel_err_coarse", "before training"}
+    np.testing.assert_allclose(rel["rel_err_closure"].get_ydata(), cols["rel_err_closure"])
+    np.testing.assert_allclose(rel["rel_err_coarse"].get_xdata(), np.arange(20))
+    assert {ax.get_title(): ax.get_yscale() for ax in fig.axes} == {
+        "rel_err": "log", "ratio_cfl": "linear", "time_solve": "linear", "drift": "linear"}
+    # one marker per metric that has a baseline, in its curve's colour, one legend entry
+    marks = _baselines(axes["rel_err"])
+    assert sorted(float(m.get_ydata()[0]) for m in marks) == [0.8, 0.9]
+    for m in marks:
+        curve = [ln for ln in axes["rel_err"].get_lines() if ln not in marks
+                 and ln.get_color() == m.get_markeredgecolor()]
+        assert len(curve) == 1
+    legend = [t.get_text() for t in axes["rel_err"].get_legend().get_texts()]
+    assert legend.count("before training") == 1
+    assert [float(m.get_ydata()[0]) for m in _baselines(axes["ratio_cfl"])] == [0.3]
+    assert _baselines(axes["time_solve"]) == [] and _baselines(axes["drift"]) == []
+    assert "before training" in fig._suptitle.get_text()
+    assert (tmp_path / "metrics.png").exists() is False      # figures() writes nothing
+    text = report(tmp_path)
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == PNG and "the first" not in text
+
+
+def test_metrics_without_a_baseline_have_no_marker(tmp_path):
+    metrics_log(tmp_path / "log.h5", initial=False)
+    fig = _figs(tmp_path)["metrics.png"]
+    assert len(fig.axes) == 4
+    assert all(_baselines(ax) == [] for ax in fig.axes)
+    assert "before training" not in fig._suptitle.get_text()
+
+
+def test_metric_panels_and_series_are_bounded(tmp_path):
+    """At most MAX_PANELS panels and MAX_SERIES curves, and the figure says what it left out."""
+    from deepsolve.io.report import MAX_PANELS, MAX_SERIES
+
+    with H5Log(tmp_path / "a.h5") as log:        # 30 unrelated metrics: 30 panels wanted
+        for i in range(3):
+            log.append({"iteration": i, **{f"metric/m{j}": 1.0 + j for j in range(30)}})
+    fig = _figs(tmp_path / "a.h5")["metrics.png"]
+    assert len(fig.axes) == MAX_PANELS
+    assert "first 12 of 30 metrics drawn" in fig._suptitle.get_text()
+    with H5Log(tmp_path / "b.h5") as log:        # one group of 25: one panel, 20 curves
+        for i in range(3):
+            log.append({"iteration": i, **{f"metric/err_{j}": 1.0 + j for j in range(25)}})
+    fig = _figs(tmp_path / "b.h5")["metrics.png"]
+    (ax,) = fig.axes
+    assert len(ax.get_lines()) == MAX_SERIES
+    assert ax.get_title() == f"err (first {MAX_SERIES} of 25)"
+    assert f"first {MAX_SERIES} of 25 metrics drawn" in fig._suptitle.get_text()
+
+
+def memory_log(path, device, *, new_columns=True, budget=64 * MiB, n=6):
+    attrs = {"device": device}
+    if budget is not None:
+        attrs["budget_bytes"] = budget
+    with H5Log(path, attrs=attrs) as log:
+        for i in range(n):
+            row = {"iteration": i, "peak_device_memory": float(2 * MiB),
+                   "peak_host_memory": float((300 - 10 * (i % 2)) * MiB)}  # goes down and up
+            if new_columns:
+                row.update(peak_real_memory=float((20 + i) * MiB),
+                           peak_tracked_memory=float(2 * MiB),
+                           budget_bytes=float(budget) if budget else math.nan)
+            log.append(row)
+
+
+def test_memory_plot_says_what_each_curve_measured_on_cpu(tmp_path):
+    """memory.png called CPU memory "peak device" and drew a decreasing "peak host" curve."""
+    memory_log(tmp_path / "log.h5", "cpu")
+    (ax,) = _figs(tmp_path)["memory.png"].axes
+    lines = _lines(ax)
+    assert set(lines) == {"real peak (RSS above the run's baseline)",
+                          "tracked by deepsolve (saved tensors + snapshots)",
+                          "process RSS peak in the iteration (absolute)", "budget"}
+    np.testing.assert_allclose(lines["real peak (RSS above the run's baseline)"].get_ydata(),
+                               20 + np.arange(6))
+    np.testing.assert_allclose(
+        lines["tracked by deepsolve (saved tensors + snapshots)"].get_ydata(), 2.0)
+    budget = lines["budget"]
+    assert budget.get_linestyle() == "--" and list(budget.get_ydata()) == [64.0, 64.0]
+    assert ax.get_ylabel() == "MiB" and "cpu" in ax.get_title()
+    assert ax.get_yscale() == "log"          # 2 .. 300 MiB: more than a factor of 10
+    mem = next(ln for ln in summarize(read_log(tmp_path)).splitlines()
+               if ln.startswith("peak memory"))
+    assert mem.split(None, 2)[2] == ("real (RSS above baseline) 25.0 MiB, tracked 2.0 MiB, "
+                                     "process RSS 300.0 MiB, budget 64.0 MiB")
+
+
+def test_memory_plot_on_cuda_has_no_host_curve(tmp_path):
+    memory_log(tmp_path / "log.h5", "cuda:0")
+    (ax,) = _figs(tmp_path)["memory.png"].axes
+    labels = set(_lines(ax))
+    assert labels == {"real peak (max_memory_allocated)",
+                      "tracked by deepsolve (saved tensors + snapshots)", "budget"}
+    assert not any("host" in lb or "RSS" in lb or "device" in lb for lb in labels)
+    mem = next(ln for ln in summarize(read_log(tmp_path)).splitlines()
+               if ln.startswith("peak memory"))
+    assert "real (max_memory_allocated) 25.0 MiB" in mem and "RSS" not in mem
+
+
+def test_memory_plot_of_an_older_log_and_a_budget_far_above(tmp_path):
+    """A log without peak_real_memory/peak_tracked_memory/budget_bytes still plots, its old
+    columns labelled for what they held; a budget 10x above every curve on a linear axis is
+    drawn as a line and the axis kept to the curves."""
+    memory_log(tmp_path / "cpu.h5", "cpu", new_columns=False, budget=None)
+    (ax,) = _figs(tmp_path / "cpu.h5")["memory.png"].axes
+    assert set(_lines(ax)) == {"tracked by deepsolve (saved tensors + snapshots)",
+                               "process RSS high-water mark (absolute)"}
+    memory_log(tmp_path / "cuda.h5", "cuda:1", new_columns=False, budget=None)
+    (ax,) = _figs(tmp_path / "cuda.h5")["memory.png"].axes
+    assert set(_lines(ax)) == {"real peak (max_memory_allocated)"}
+    with H5Log(tmp_path / "far.h5", attrs={"device": "cpu", "budget_bytes": 4 * 2**30}) as log:
+        for i in range(4):         # a real peak of 0 (nothing above the baseline): linear axis
+            log.append({"iteration": i, "peak_real_memory": float(i * MiB)})
+    (ax,) = _figs(tmp_path / "far.h5")["memory.png"].axes
+    (budget,) = [ln for lb, ln in _lines(ax).items() if lb.startswith("budget")]
+    assert budget.get_label() == "budget (4096 MiB, above the plot)"
+    assert budget.get_ydata()[0] == 4096.0 and budget.get_linestyle() == "--"
+    assert ax.get_yscale() == "linear" and ax.get_ylim()[1] < 4.0
+
+
+def test_loss_plot_draws_weighted_terms_that_add_up(tmp_path):
+    """loss.png drew unweighted terms beside the weighted total: now w * loss/<term>."""
+    closure, data = np.linspace(50.0, 5.0, 8), np.linspace(0.2, 0.01, 8)
+    with H5Log(tmp_path / "log.h5", attrs={"weights": {"closure": 1e-4}}) as log:
+        for i in range(8):
+            log.append({"iteration": i, "loss": 1e-4 * closure[i] + data[i],
+                        "loss/closure": closure[i], "loss/data": data[i]})
+    (ax,) = _figs(tmp_path)["loss.png"].axes
+    lines = _lines(ax)
+    assert set(lines) == {"loss (total)", "0.0001 × closure", "1 × data"}
+    np.testing.assert_allclose(lines["0.0001 × closure"].get_ydata(), 1e-4 * closure)
+    np.testing.assert_allclose(lines["0.0001 × closure"].get_ydata()
+                               + lines["1 × data"].get_ydata(),
+                               lines["loss (total)"].get_ydata())
+    assert "weighted" in ax.get_title()
+    text = summarize(read_log(tmp_path))
+    assert "weight" in text and "1.0000e-04" in text and "terms unweighted" in text
+
+
+def test_loss_plot_of_a_log_without_weights_says_so(tmp_path):
+    full_log(tmp_path, n=5)
+    (ax,) = _figs(tmp_path)["loss.png"].axes
+    assert set(_lines(ax)) == {"loss (total)", "pde", "bc"}
+    assert "no weights" in ax.get_title()
+    assert "weight" not in summarize(read_log(tmp_path))
+
+
+def test_summary_bounds_the_schedules_it_lists(tmp_path):
+    """The schedule column holds full descriptions, which can differ in every row."""
+    with H5Log(tmp_path / "log.h5") as log:
+        for i in range(15):
+            log.append({"iteration": i, "schedule": f"revolve(s={100 + i}) + {i} recorded steps"})
+    line = next(ln for ln in summarize(read_log(tmp_path)).splitlines()
+                if ln.startswith("schedules"))
+    assert line.count("(1 rows)") == 10 and line.endswith("... (5 more schedules)")
+    assert "revolve(s=100) + 0 recorded steps (1 rows)" in line
+
+
+def test_summary_lists_metrics_before_training(tmp_path):
+    metrics_log(tmp_path / "log.h5")
+    text = summarize(read_log(tmp_path))
+    head = next(ln for ln in text.splitlines() if ln.startswith("metric "))
+    assert head.split() == ["metric", "before", "training", "first", "last", "iterations"]
+    row = next(ln for ln in text.splitlines() if ln.startswith("metric/rel_err_closure"))
+    assert row.split() == ["metric/rel_err_closure", "0.9", "0.1", f"{0.1 * 0.7**19:.4e}",
+                           "0..19"]
+    row = next(ln for ln in text.splitlines() if ln.startswith("metric/time_solve"))
+    assert row.split()[1] == "-"                      # no value before training
+    metrics_log(tmp_path / "old.h5", initial=False)   # an older log: no such column
+    assert "before training" not in summarize(read_log(tmp_path / "old.h5"))
+
+
+def test_plots_of_a_real_training_log(tmp_path):
+    """A log the trainer wrote: memory labelled for the CPU, the budget line at the run's
+    budget, the metric's baseline at iteration -1, the terms weighted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "deepsolve", "train",
+                        str(root / "tests" / "data" / "tiny_problem.py"), "--out", str(out),
+                        "--iterations", "5", "--set", "budget=20%", "--quiet"],
+                       env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    log = read_log(out)
+    figs = _figs(out)
+    (mem,) = figs["memory.png"].axes
+    lines = _lines(mem)
+    assert "real peak (RSS above the run's baseline)" in lines
+    assert not any("device" in lb or "host" in lb for lb in lines)
+    budget = log.attrs["budget_bytes"]
+    assert lines["budget"].get_ydata()[0] == pytest.approx(budget / MiB)
+    (ax,) = figs["metrics.png"].axes
+    (mark,) = _baselines(ax)
+    assert mark.get_ydata()[0] == pytest.approx(log.attrs["initial_metrics"]["rate_error"])
+    (loss,) = figs["loss.png"].axes
+    assert {"1 × misfit", "1 × prior"} <= set(_lines(loss)) and "weighted" in loss.get_title()
+    assert "before training" in summarize(log)

@@ -2,17 +2,28 @@
 
 Only the ``iteration`` column is required; everything else follows the column convention of
 docs/h5-log.md when present (``loss``, ``loss/<term>``, ``metric/<name>``, ``time``,
-``time_forward``, ``time_backward``, ``peak_device_memory``, ``peak_host_memory``,
-``advances``, ``recorded``, ``schedule``, ``lr``, ``grad_norm``) and is skipped when absent.
+``time_forward``, ``time_backward``, ``peak_real_memory``, ``peak_tracked_memory``,
+``peak_device_memory``, ``peak_host_memory``, ``budget_bytes``, ``advances``, ``recorded``,
+``schedule``, ``lr``, ``grad_norm``; the attributes ``device``, ``weights``,
+``initial_metrics`` and ``budget_bytes``) and is skipped when absent.
+
+The plots (:func:`figures` builds them as matplotlib figures, :func:`plot_log` saves them):
+``loss.png`` the total loss and each term weighted (``w * loss/<term>``, so they add up to
+the total); ``memory.png`` the real and the tracked peak per iteration, labelled for the
+device, and the budget as a dashed line; ``time.png``; ``metrics.png`` one panel per group
+of metrics (names sharing their first ``_``-separated token) or per metric, each on its own
+axis, with the value before training (``initial_metrics``) as a marker at iteration -1.
 
 The work is bounded whatever the log holds: at most :data:`MAX_SERIES` loss terms and
-metrics are drawn per plot and :data:`MAX_TABLE_ROWS` listed per table (the report says how
-many were left out); the log itself is read by :func:`~deepsolve.io.read_log`, which checks
-it before reading (see docs/h5-log.md).
+metrics are drawn per plot, in at most :data:`MAX_PANELS` metric panels, and
+:data:`MAX_TABLE_ROWS` listed per table (the report says how many were left out); the log
+itself is read by :func:`~deepsolve.io.read_log`, which checks it before reading (see
+docs/h5-log.md).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +32,8 @@ import numpy as np
 
 from .h5log import INT_MISSING, LogData, read_log
 
-__all__ = ["report", "summarize", "plot_log", "ReportError", "MAX_SERIES", "MAX_TABLE_ROWS"]
+__all__ = ["report", "summarize", "plot_log", "figures", "ReportError", "MAX_SERIES",
+           "MAX_PANELS", "MAX_TABLE_ROWS"]
 
 _MIB = 2.0**20
 
@@ -43,6 +55,11 @@ def _fmt(v: float) -> str:
     if a != 0 and (a < 1e-3 or a >= 1e5):
         return f"{v:.4e}"
     return f"{v:.6g}"
+
+
+def _bytes(v: float) -> str:
+    """Bytes in MiB (KiB below 0.1 MiB, where MiB would print 0.0)."""
+    return f"{v / 1024:.1f} KiB" if abs(v) < 0.1 * _MIB else f"{v / _MIB:.1f} MiB"
 
 
 def _finite(a: np.ndarray) -> np.ndarray:
@@ -93,6 +110,26 @@ def _short(v: Any, width: int = 60) -> str:
     return s if len(s) <= width else s[: width - 3] + "..."
 
 
+_MAX_SCHEDULES = 10      # most schedule descriptions listed in the summary
+
+
+def _summary_memory(log: LogData) -> list[tuple[str, str]]:
+    """(column, label) of the memory figures in the summary: the largest peak of each."""
+    kind = _device_kind(log)
+    if "peak_real_memory" in log.columns:
+        real = {"cpu": "real (RSS above baseline)",
+                "cuda": "real (max_memory_allocated)"}.get(kind, "real")
+        out = [("peak_real_memory", real), ("peak_tracked_memory", "tracked")]
+        if kind != "cuda":
+            out.append(("peak_host_memory", "process RSS"))
+        return out
+    if kind == "cuda":
+        return [("peak_device_memory", "real (max_memory_allocated)")]
+    if kind == "cpu":
+        return [("peak_device_memory", "tracked"), ("peak_host_memory", "process RSS")]
+    return [("peak_device_memory", "device"), ("peak_host_memory", "host")]
+
+
 def summarize(log: LogData) -> str:
     """The summary table of a log (what :func:`report` prints, without the file list)."""
     it = log.columns["iteration"]
@@ -117,26 +154,41 @@ def summarize(log: LogData) -> str:
 
     terms = _prefixed(log, "loss/")
     if terms:
+        weights = _weights(log)
         w = min(max(len(t) for t in terms[:MAX_TABLE_ROWS]), 60)
         lines.append("")
-        lines.append(f"{'loss term':<{w}}  {'first':>12}  {'last':>12}")
+        head = f"{'loss term':<{w}}  {'first':>12}  {'last':>12}"
+        lines.append(head + (f"  {'weight':>10}" if weights is not None else ""))
         for t in terms[:MAX_TABLE_ROWS]:
             a = _numeric(log, t)
             f0, f1 = _first_finite(it, a), _last_finite(it, a)
-            lines.append(f"{t:<{w}}  {_fmt(f0[0]) if f0 else 'nan':>12}  "
-                         f"{_fmt(f1[0]) if f1 else 'nan':>12}")
+            row = (f"{t:<{w}}  {_fmt(f0[0]) if f0 else 'nan':>12}  "
+                   f"{_fmt(f1[0]) if f1 else 'nan':>12}")
+            if weights is not None:
+                row += f"  {_fmt(weights.get(t[len('loss/'):], 1.0)):>10}"
+            lines.append(row)
         if len(terms) > MAX_TABLE_ROWS:
             lines.append(f"... ({len(terms) - MAX_TABLE_ROWS} more loss terms)")
+        if weights is not None:
+            lines.append("(terms unweighted; loss = sum of weight × term)")
 
     metrics = _prefixed(log, "metric/")
     if metrics:
-        w = min(max(len(m) for m in metrics[:MAX_TABLE_ROWS]), 60)
+        init = _initial_metrics(log) if "initial_metrics" in log.attrs else None
+        w = max(min(max(len(m) for m in metrics[:MAX_TABLE_ROWS]), 60), 6)
         lines.append("")
-        lines.append(f"{'metric (last finite)':<{max(w, 20)}}  {'value':>12}  iteration")
+        before = f"  {_BEFORE:>15}" if init is not None else ""
+        lines.append(f"{'metric':<{w}}{before}  {'first':>12}  {'last':>12}  iterations")
         for m in metrics[:MAX_TABLE_ROWS]:
-            last = _last_finite(it, _numeric(log, m))
-            val, at = (_fmt(last[0]), str(last[1])) if last else ("nan", "-")
-            lines.append(f"{m:<{max(w, 20)}}  {val:>12}  {at}")
+            a = _numeric(log, m)
+            f0, f1 = _first_finite(it, a), _last_finite(it, a)
+            row = f"{m:<{w}}"
+            if init is not None:
+                v = init.get(m[len("metric/"):])
+                row += f"  {_fmt(v) if v is not None else '-':>15}"
+            row += (f"  {_fmt(f0[0]) if f0 else 'nan':>12}  {_fmt(f1[0]) if f1 else 'nan':>12}"
+                    f"  {f'{f0[1]}..{f1[1]}' if f0 and f1 else '-'}")
+            lines.append(row)
         if len(metrics) > MAX_TABLE_ROWS:
             lines.append(f"... ({len(metrics) - MAX_TABLE_ROWS} more metrics)")
 
@@ -153,10 +205,13 @@ def summarize(log: LogData) -> str:
             s += " (" + ", ".join(parts) + ")"
         extra.append(s)
     mem = []
-    for name, label in (("peak_device_memory", "device"), ("peak_host_memory", "host")):
+    for name, label in _summary_memory(log):
         a = _numeric(log, name)
         if a is not None and _finite(a).any():
-            mem.append(f"{label} {np.nanmax(a[_finite(a)]) / _MIB:.1f} MiB")
+            mem.append(f"{label} {_bytes(float(np.nanmax(a[_finite(a)])))}")
+    budget = _budget(log)
+    if mem and budget is not None:
+        mem.append(f"budget {_bytes(float(np.nanmax(budget)))}")
     if mem:
         extra.append(f"{'peak memory':<17}" + ", ".join(mem))
     evals = []
@@ -177,7 +232,9 @@ def summarize(log: LogData) -> str:
     if sched is not None and sched.dtype.kind in "US" and len(sched):
         kinds, counts = np.unique(sched, return_counts=True)
         order = np.argsort(-counts, kind="stable")
-        used = [f"{kinds[i] or '(none)'} ({counts[i]} rows)" for i in order]
+        used = [f"{kinds[i] or '(none)'} ({counts[i]} rows)" for i in order[:_MAX_SCHEDULES]]
+        if len(order) > _MAX_SCHEDULES:
+            used.append(f"... ({len(order) - _MAX_SCHEDULES} more schedules)")
         extra.append(f"{'schedules':<17}" + ", ".join(used))
     if extra:
         lines.append("")
@@ -200,16 +257,26 @@ def summarize(log: LogData) -> str:
 
 # ------------------------------------------------------------------------------------ plots
 
+MAX_PANELS = 12
+"""Most panels of metrics.png (a grid of at most 4 rows of 3); the first ones in column order."""
 
-def _plot(path: Path, it: np.ndarray, series: list[tuple[str, np.ndarray, dict]],
-          ylabel: str, title: str, logy: bool) -> None:
+_TRACKED = "tracked by deepsolve (saved tensors + snapshots)"
+_BEFORE = "before training"
+
+_Series = tuple[str, np.ndarray, dict]
+_Built = tuple[Any, "tuple[int, int] | None"]       # (Figure or None, (drawn, of how many))
+
+
+def _new_figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.5, 4.5))
+    fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    x = it.astype(np.float64)
+    return fig
+
+
+def _draw(ax, x: np.ndarray, series: list[_Series]) -> None:
     for label, y, style in series:
         ok = _finite(y)
         if not ok.any():
@@ -217,26 +284,313 @@ def _plot(path: Path, it: np.ndarray, series: list[tuple[str, np.ndarray, dict]]
         sparse = ok.sum() < 0.5 * len(y)      # e.g. metrics evaluated every k iterations
         ax.plot(x[ok], y[ok], label=label, marker="o" if sparse else None,
                 markersize=3, **style)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_xlabel("iteration")
+
+
+def _finish(ax, xlabel: str, ylabel: str, title: str, **legend: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))    # iterations
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+        ax.legend(fontsize=7, **legend)
 
 
-def _positive(series: list[tuple[str, np.ndarray, dict]]) -> bool:
+def _values(arrays: list[Any]) -> np.ndarray:
+    vals = [np.asarray(a, dtype=np.float64).ravel() for a in arrays]
+    vals = [v[_finite(v)] for v in vals]
+    return np.concatenate(vals) if vals else np.zeros(0)
+
+
+def _wide_positive(arrays: list[Any]) -> bool:
+    """Whether a panel is drawn on a log axis: its finite values are all positive and span more
+    than a factor of 10."""
+    v = _values(arrays)
+    return bool(len(v)) and bool((v > 0).all()) and float(v.max()) > 10.0 * float(v.min())
+
+
+def _positive(series: list[_Series]) -> bool:
     vals = [y[_finite(y)] for _, y, _ in series]
     vals = [v for v in vals if len(v)]
     return bool(vals) and all((v > 0).all() for v in vals)
 
 
-def _has_data(series: list[tuple[str, np.ndarray, dict]]) -> bool:
+def _has_data(series: list[_Series]) -> bool:
     return any(_finite(y).any() for _, y, _ in series)
+
+
+def _number(v: Any) -> float | None:
+    """``v`` as a finite float, ``None`` when it is not one (attributes are data from outside)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def _weights(log: LogData) -> dict[str, float] | None:
+    """The ``weights`` attribute (term -> weight); ``None`` when the log has none."""
+    w = log.attrs.get("weights")
+    if not isinstance(w, dict):
+        return None
+    return {str(k): f for k, v in w.items() if (f := _number(v)) is not None}
+
+
+def _initial_metrics(log: LogData) -> dict[str, float]:
+    """The ``initial_metrics`` attribute (metric -> value before training); ``{}`` without."""
+    m = log.attrs.get("initial_metrics")
+    if not isinstance(m, dict):
+        return {}
+    return {str(k): f for k, v in m.items() if (f := _number(v)) is not None}
+
+
+def _device_kind(log: LogData) -> str | None:
+    """``"cuda"``, ``"cpu"``, or ``None`` where the ``device`` attribute does not say."""
+    dev = log.attrs.get("device")
+    if isinstance(dev, str):
+        for kind in ("cuda", "cpu"):
+            if dev.strip().lower().startswith(kind):
+                return kind
+    return None
+
+
+def _loss_figure(log: LogData, x: np.ndarray) -> _Built:
+    """The total loss and its terms, each term weighted (``w * loss/<term>``, w from the
+    ``weights`` attribute, 1 where it has none) so that they add up to the total."""
+    series: list[_Series] = []
+    a = _numeric(log, "loss")
+    if a is not None:
+        series.append(("loss (total)", a, {"color": "black", "lw": 1.8}))
+    terms = _prefixed(log, "loss/")
+    weights = _weights(log)
+    for t in terms[:MAX_SERIES]:
+        name = t[len("loss/"):]
+        if weights is None:
+            series.append((name, _numeric(log, t), {"lw": 1.0}))
+        else:
+            w = weights.get(name, 1.0)
+            series.append((f"{w:g} × {name}", w * _numeric(log, t), {"lw": 1.0}))
+    if not _has_data(series):
+        return None, None
+    if not terms:
+        title = "training loss"
+    elif weights is None:
+        title = "training loss and its terms (the log has no weights: drawn as logged)"
+    else:
+        title = "training loss and its weighted terms (weight × term; they add up to the total)"
+    cut = None
+    if len(terms) > MAX_SERIES:
+        cut = (MAX_SERIES, len(terms))
+        title += f"\n(first {MAX_SERIES} of {len(terms)} terms)"
+    fig = _new_figure(7.5, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    _draw(ax, x, series)
+    if _positive(series):
+        ax.set_yscale("log")
+    _finish(ax, "iteration", "loss", title)
+    return fig, cut
+
+
+def _memory_columns(log: LogData) -> list[tuple[str, str, dict]]:
+    """(column, label, style) of the memory curves, labelled for what they measured."""
+    kind = _device_kind(log)
+    real = {"cpu": "real peak (RSS above the run's baseline)",
+            "cuda": "real peak (max_memory_allocated)"}.get(kind, "real peak")
+    rss = {"color": "0.45", "ls": ":", "lw": 1.2}
+    if "peak_real_memory" in log.columns:
+        cols = [("peak_real_memory", real, {"color": "C0", "lw": 1.6}),
+                ("peak_tracked_memory", _TRACKED, {"color": "C1"})]
+        if kind != "cuda":      # on CUDA the RSS is the host's, a running mark of the run
+            cols.append(("peak_host_memory", "process RSS peak in the iteration (absolute)",
+                         rss))
+        return cols
+    # a log from before peak_real_memory: the old columns, for what they held
+    if kind == "cuda":
+        return [("peak_device_memory", real, {"color": "C0", "lw": 1.6})]
+    if kind == "cpu":
+        return [("peak_device_memory", _TRACKED, {"color": "C1"}),
+                ("peak_host_memory", "process RSS high-water mark (absolute)", rss)]
+    return [("peak_device_memory", "peak_device_memory", {"color": "C0"}),
+            ("peak_host_memory", "peak_host_memory", {"color": "C2"})]
+
+
+def _budget(log: LogData) -> np.ndarray | float | None:
+    """The budget in bytes: the ``budget_bytes`` column (per iteration) where it has values,
+    else the ``budget_bytes`` attribute; ``None`` without a budget."""
+    b = _numeric(log, "budget_bytes")
+    if b is not None and (_finite(b) & (b > 0)).any():
+        return b
+    v = _number(log.attrs.get("budget_bytes"))
+    return v if v is not None and v > 0 else None
+
+
+def _memory_figure(log: LogData, x: np.ndarray) -> _Built:
+    series: list[_Series] = []
+    for name, label, style in _memory_columns(log):
+        a = _numeric(log, name)
+        if a is not None:
+            series.append((label, a / _MIB, style))
+    if not _has_data(series):
+        return None, None
+    budget = _budget(log)
+    data = [y for _, y, _ in series]
+    b = None if budget is None else np.asarray(budget, dtype=np.float64) / _MIB
+    logy = _wide_positive(data + ([b] if b is not None else []))
+    fig = _new_figure(7.5, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    _draw(ax, x, series)
+    top = float(_values(data).max()) if len(_values(data)) else 0.0
+    if b is not None:
+        bv = _values([b])
+        label = "budget"
+        cut_axis = not logy and top > 0 and float(bv.min()) > 10 * top
+        if cut_axis:            # a linear axis up to the budget would flatten every curve
+            label = f"budget ({_fmt(float(bv.max()))} MiB, above the plot)"
+        style = {"color": "red", "ls": "--", "lw": 1.2}
+        if b.ndim == 0 or float(bv.min()) == float(bv.max()):
+            ax.axhline(float(bv.max()), label=label, **style)
+        else:
+            ok = _finite(b)
+            ax.plot(x[ok], b[ok], label=label, drawstyle="steps-post", **style)
+        if cut_axis:
+            ax.set_ylim(0, 1.15 * top)
+    if logy:
+        ax.set_yscale("log")
+    dev = log.attrs.get("device")
+    where = f" ({_short(dev, 20)})" if isinstance(dev, str) and dev else ""
+    _finish(ax, "iteration", "MiB", f"peak memory per iteration{where}")
+    return fig, None
+
+
+def _time_figure(log: LogData, x: np.ndarray) -> _Built:
+    times = []
+    for name, label in (("time", "iteration"), ("time_forward", "forward"),
+                        ("time_backward", "backward")):
+        a = _numeric(log, name)
+        if a is not None:
+            times.append((label, a, {}))
+    if not _has_data(times):
+        return None, None
+    fig = _new_figure(7.5, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    _draw(ax, x, times)
+    _finish(ax, "iteration", "seconds", "time per iteration")
+    return fig, None
+
+
+def _common_prefix(names: list[str]) -> str:
+    """The underscore-separated tokens all ``names`` start with (``rel_err`` for
+    ``rel_err_closure`` and ``rel_err_coarse``)."""
+    out = []
+    for parts in zip(*(n.split("_") for n in names), strict=False):
+        if any(p != parts[0] for p in parts):
+            break
+        out.append(parts[0])
+    return "_".join(out)
+
+
+def _metric_panels(log: LogData) -> tuple[list[tuple[str, list[str], int]], list[str], int]:
+    """How metrics.png groups the metrics: ``(panels, with_values, total)``, ``panels`` a list
+    of ``(title, metric names drawn in it, metrics in its group)``, ``with_values`` the names of
+    the metrics that have values, ``total`` the number of metric columns.
+
+    Metrics whose names share their first underscore-separated token with at least one other
+    metric share a panel, titled by the tokens they all start with; every other metric has
+    its own panel, titled by its name. Metrics with no finite value (and no value before
+    training) are not drawn. At most :data:`MAX_PANELS` panels and :data:`MAX_SERIES`
+    metrics are drawn, the first ones in column order."""
+    cols = _prefixed(log, "metric/")
+    init = _initial_metrics(log)
+    names = [c[len("metric/"):] for c in cols
+             if _finite(_numeric(log, c)).any() or c[len("metric/"):] in init]
+    first = [n.split("_", 1)[0] for n in names]
+    count: dict[str, int] = {}
+    for f in first:
+        count[f] = count.get(f, 0) + 1
+    groups: dict[tuple[str, str], list[str]] = {}    # in the order of their first member
+    for n, f in zip(names, first, strict=True):
+        groups.setdefault(("group", f) if count[f] > 1 else ("metric", n), []).append(n)
+    panels = []
+    drawn = 0
+    for (how, key), members in list(groups.items())[:MAX_PANELS]:
+        take = members[:MAX_SERIES - drawn]
+        if not take:
+            break
+        title = (_common_prefix(members) or key) if how == "group" else key
+        panels.append((title, take, len(members)))
+        drawn += len(take)
+    return panels, names, len(cols)
+
+
+def _metrics_figure(log: LogData, x: np.ndarray) -> _Built:
+    panels, with_values, total = _metric_panels(log)
+    if not panels:
+        return None, None
+    init = _initial_metrics(log)
+    n = len(panels)
+    ncols = 1 if n == 1 else 2 if n <= 4 else 3
+    nrows = -(-n // ncols)
+    fig = _new_figure(7.5 if ncols == 1 else 5.0 * ncols, 3.4 * nrows + 0.6)
+    any_before = False
+    for k, (title, members, of) in enumerate(panels):
+        ax = fig.add_subplot(nrows, ncols, k + 1)
+        values: list[Any] = []
+        colors = {m: f"C{j % 10}" for j, m in enumerate(members)}
+        for m in members:
+            y = _numeric(log, "metric/" + m)
+            _draw(ax, x, [(m, y, {"color": colors[m]})])
+            values.append(y)
+        labelled = False
+        for m in members:       # the model as built: a marker at iteration -1
+            if m in init:
+                ax.plot([-1.0], [init[m]], ls="none", marker="D", markersize=6,
+                        markerfacecolor="white", markeredgecolor=colors[m],
+                        markeredgewidth=1.5, label=_BEFORE if not labelled else "_" + _BEFORE)
+                values.append([init[m]])
+                labelled = any_before = True
+        if _wide_positive(values):
+            ax.set_yscale("log")
+        if len(members) < of:
+            title += f" (first {len(members)} of {of})"
+        _finish(ax, "iteration", "", title)
+        legend = ax.get_legend()
+        if legend is not None and len(legend.get_texts()) < 2:   # one curve: titled by it
+            legend.remove()
+    header = "metrics"
+    if any_before:
+        header += f" (◇ at iteration -1: {_BEFORE})"
+    cut = None
+    shown = {m for _, members, _ in panels for m in members}
+    if len(shown) < len(with_values):
+        cut = (len(shown), total)
+        rest = [m for m in with_values if m not in shown]
+        header += (f"\nfirst {len(shown)} of {total} metrics drawn (at most {MAX_SERIES} in "
+                   f"{MAX_PANELS} panels); not drawn: {_short(', '.join(rest[:4]), 50)}"
+                   + (f" and {len(rest) - 4} more" if len(rest) > 4 else ""))
+    fig.suptitle(header, fontsize=11)
+    return fig, cut
+
+
+def figures(log: LogData) -> dict[str, Any]:
+    """The report's plots as matplotlib ``Figure`` objects, by file name (``loss.png``,
+    ``memory.png``, ``time.png``, ``metrics.png``), each when the log has data for it; what
+    :func:`plot_log` saves. Made without pyplot (no global state, no display needed)."""
+    return _figures(log)[0]
+
+
+def _figures(log: LogData) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    x = log.columns["iteration"].astype(np.float64)
+    figs: dict[str, Any] = {}
+    left_out: dict[str, tuple[int, int]] = {}
+    for name, build in (("loss.png", _loss_figure), ("memory.png", _memory_figure),
+                        ("time.png", _time_figure), ("metrics.png", _metrics_figure)):
+        fig, cut = build(log, x)
+        if fig is not None:
+            figs[name] = fig
+            if cut:
+                left_out[name] = cut
+    return figs, left_out
 
 
 def _out_dir(out_dir: str | os.PathLike, make: bool) -> Path:
@@ -253,17 +607,18 @@ def _out_dir(out_dir: str | os.PathLike, make: bool) -> Path:
     return out
 
 
-def _save(p: Path, *args: Any) -> None:
+def _save(p: Path, fig: Any) -> None:
     try:
-        _plot(p, *args)
+        fig.savefig(p, dpi=100)
     except OSError as e:
         raise ReportError(f"--out {p.parent}: cannot write {p.name} "
                           f"({e.strerror or ' '.join(str(e).split())})") from None
 
 
 def plot_log(log: LogData, out_dir: str | os.PathLike) -> list[Path]:
-    """Write loss.png, memory.png, time.png and metrics.png (each when it has data). At most
-    :data:`MAX_SERIES` loss terms and metrics are drawn (the first ones in column order).
+    """Write loss.png, memory.png, time.png and metrics.png (each when it has data; the
+    figures of :func:`figures`). At most :data:`MAX_SERIES` loss terms and metrics are drawn,
+    and at most :data:`MAX_PANELS` metric panels (the first ones in column order).
 
     Raises:
         ReportError: ``out_dir`` is not a directory or cannot be written.
@@ -275,56 +630,11 @@ def _plot_all(log: LogData,
               out_dir: str | os.PathLike) -> tuple[list[Path], dict[str, tuple[int, int]]]:
     """:func:`plot_log`, and what it left out: plot file name -> (drawn, of how many)."""
     out = _out_dir(out_dir, make=True)
-    it = log.columns["iteration"]
+    figs, left_out = _figures(log)
     written: list[Path] = []
-    left_out: dict[str, tuple[int, int]] = {}
-
-    loss = []
-    a = _numeric(log, "loss")
-    if a is not None:
-        loss.append(("loss (total)", a, {"color": "black", "lw": 1.8}))
-    terms = _prefixed(log, "loss/")
-    for t in terms[:MAX_SERIES]:
-        loss.append((t[len("loss/"):], _numeric(log, t), {"lw": 1.0}))
-    if _has_data(loss):
-        p = out / "loss.png"
-        title = "training loss"
-        if len(terms) > MAX_SERIES:
-            left_out[p.name] = (MAX_SERIES, len(terms))
-            title += f" (first {MAX_SERIES} of {len(terms)} terms)"
-        _save(p, it, loss, "loss", title, _positive(loss))
-        written.append(p)
-
-    mem = []
-    for name, label in (("peak_device_memory", "peak device"), ("peak_host_memory", "peak host")):
-        a = _numeric(log, name)
-        if a is not None:
-            mem.append((label, a / _MIB, {}))
-    if _has_data(mem):
-        p = out / "memory.png"
-        _save(p, it, mem, "MiB", "peak memory per iteration", False)
-        written.append(p)
-
-    times = []
-    for name, label in (("time", "iteration"), ("time_forward", "forward"),
-                        ("time_backward", "backward")):
-        a = _numeric(log, name)
-        if a is not None:
-            times.append((label, a, {}))
-    if _has_data(times):
-        p = out / "time.png"
-        _save(p, it, times, "seconds", "time per iteration", False)
-        written.append(p)
-
-    names = _prefixed(log, "metric/")
-    metrics = [(m[len("metric/"):], _numeric(log, m), {}) for m in names[:MAX_SERIES]]
-    if _has_data(metrics):
-        p = out / "metrics.png"
-        title = "metrics"
-        if len(names) > MAX_SERIES:
-            left_out[p.name] = (MAX_SERIES, len(names))
-            title += f" (first {MAX_SERIES} of {len(names)})"
-        _save(p, it, metrics, "value", title, _positive(metrics))
+    for name, fig in figs.items():
+        p = out / name
+        _save(p, fig)
         written.append(p)
     return written, left_out
 
