@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# each demo run gets its own directory; runs/navier_stokes-latest points at the newest
+DEMO_OUT := runs/navier_stokes-$(shell date +%Y%m%d-%H%M%S)
 demo: $(STAMP)
-	$(PY) -m deepsolve train problems/navier_stokes.py --out runs/navier_stokes-$(shell date +%Y%m%d-%H%M%S)
+	$(PY) -m deepsolve train problems/navier_stokes.py --out $(DEMO_OUT) $(DEMO_ARGS)
+	ln -sfn $(notdir $(DEMO_OUT)) runs/navier_stokes-latest
+	@echo "summary and plots: $(PY) -m deepsolve report runs/navier_stokes-latest"
 
 test: $(STAMP)
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc

@@ -38,7 +38,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         if not args.budget:
             raise ValueError("plan PROBLEM.py needs --budget (e.g. --budget 2GiB or 80%)")
-        overrides = {"steps": args.steps} if args.steps is not None else None
+        overrides = {"steps": args.steps, "threads": args.threads}
         print(plan_problem(args.problem, budget=args.budget, sets=args.set,
                            overrides=overrides).explain())
         return 0
@@ -84,8 +84,8 @@ def _check_output_file(option: str, path: str) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train import PREEMPTED_EXIT_CODE, train
 
-    overrides = {k: getattr(args, k) for k in
-                 ("iterations", "steps", "budget", "snapshots", "device", "dtype", "seed", "lr")}
+    overrides = {k: getattr(args, k) for k in ("iterations", "steps", "budget", "snapshots",
+                                               "device", "dtype", "seed", "lr", "threads")}
     res = train(args.problem, overrides=overrides, sets=args.set, out=args.out,
                 resume=args.resume, quiet=args.quiet,
                 locking=False if args.no_file_locking else None)
@@ -96,6 +96,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
               f"{res.restart_path}; continue with --resume", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     print(f"trained {res.iterations} iterations, final loss {res.final_loss:.4e}")
+    if res.metrics:
+        print("final metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in res.metrics.items()))
     print(f"log: {res.log_path}")
     print(f"restart file: {res.restart_path}")
     print(f"summary and plots: python -m deepsolve report {res.run_dir}")
@@ -120,7 +122,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def _cmd_check(args: argparse.Namespace) -> int:
     from .gradcheck import check_problem
 
-    overrides = {k: getattr(args, k) for k in ("budget", "snapshots", "device", "dtype", "seed")}
+    overrides = {k: getattr(args, k) for k in ("budget", "snapshots", "device", "dtype", "seed",
+                                               "threads")}
     res = check_problem(args.problem, steps=args.steps, sets=args.set, overrides=overrides,
                         rtol=args.rtol)
     print(res.table())
@@ -141,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train through long iterative computations with checkpointed, "
         "memory-bounded exact gradients.",
     )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"deepsolve {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -163,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--show", action="store_true",
                       help="print the diagram (time down, step index across; N <= 80)")
     plan.add_argument("--png", metavar="FILE", help="draw the diagram into FILE with matplotlib")
+    plan.add_argument("--threads", type=_positive_int,
+                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1; "
+                    "see docs/problems.md)")
     plan.set_defaults(func=_cmd_plan)
 
     tr = sub.add_parser("train", help="train a problem file",
@@ -179,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"])
     tr.add_argument("--seed", type=int)
     tr.add_argument("--lr", type=float, help="learning rate")
+    tr.add_argument("--threads", type=_positive_int,
+                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1; "
+                    "see docs/problems.md)")
     tr.add_argument("--out", help="run directory (default runs/<problem name>)")
     tr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override any problem setting, typed by its default (repeatable)")
@@ -234,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--device", help="cpu, cuda or cuda:N")
     ck.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"])
     ck.add_argument("--seed", type=int)
+    ck.add_argument("--threads", type=_positive_int,
+                    help="torch CPU threads (default: OMP_NUM_THREADS if set, else 1; "
+                    "see docs/problems.md)")
     ck.add_argument("--rtol", type=_positive_float, default=None,
                     help="relative tolerance (default by dtype: 1e-9 float64, 1e-4 float32, "
                     "1e-2 16-bit)")

@@ -638,10 +638,11 @@ def check_problem(problem_path: str, *, steps: int | None = None,
     ``ValueError`` for a bad ``steps`` or a problem whose unroll has no fixed length.
     """
     from .problem import Problem, load_problem
-    from .train import build, resolve_config
+    from .train import apply_threads, build, resolve_config
 
     problem0, _ = load_problem(problem_path)
     cfg = resolve_config(problem0, overrides, sets)
+    apply_threads(cfg["threads"])
     problem, ctx, _ = build(problem_path, cfg)
     rng0 = _rng_get()
 

@@ -66,6 +66,10 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "checkpoint_every": 25,  # iterations between restart files
     "grad_clip": 0.0,        # clip the global gradient norm (0 = off)
     "memory_every": 1,       # CPU runs with a budget: measure tracked memory every N iterations
+    "threads": 0,            # torch CPU threads (0: OMP_NUM_THREADS if set, else DEFAULT_THREADS)
+    "progress_every": 30.0,  # seconds between progress lines when stderr is not a terminal
+    "budget_once": True,     # resolve a "%" budget once at the start (False: every unroll)
+    "cache_dir": "runs/cache",  # where ctx.cache keeps a problem's derived data
 }
 
 
@@ -81,6 +85,8 @@ SETTING_RANGES: dict[str, tuple[type, float, str]] = {
     "checkpoint_every": (int, 1, ">= 1"),
     "grad_clip": (float, 0.0, ">= 0 (0: no clipping)"),
     "memory_every": (int, 1, ">= 1"),
+    "threads": (int, 0, ">= 0 (0: the default, see docs/problems.md)"),
+    "progress_every": (float, 0.0, ">= 0 (seconds; 0: a line every iteration)"),
 }
 
 
@@ -125,6 +131,9 @@ class Context:
         data: anything the problem needs (set by :meth:`Problem.build`).
         generator: a ``torch.Generator`` seeded from ``cfg.seed`` (CPU).
         rank, world_size: this process's place in a distributed run (0 and 1 otherwise).
+        budget: the unroll budget :meth:`unroll` passes on: ``cfg.budget`` as written, or the
+            bytes the trainer resolved it to once at the start (``budget_once``: a ``"5%"``
+            budget then means the same bytes, and the same schedule, on every iteration).
     """
 
     def __init__(self, cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype,
@@ -138,7 +147,27 @@ class Context:
         self.rank = rank
         self.world_size = world_size
         self.unroll_stats: list[UnrollStats] = []
+        self.budget: int | str = cfg.get("budget", "")
+        self.cached: dict[str, tuple[str, bool]] = {}
         self._bound: dict = {}
+
+    def cache(self, name: str, key: Mapping[str, Any], compute: Callable[[], Mapping[str, Any]],
+              *, directory: str | None = None,
+              attrs: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """Arrays that ``build`` derives at some cost (a reference solution), computed once
+        per ``key`` and read back on every later build (``plan``, ``check``, ``--resume``,
+        the next run): :func:`deepsolve.io.load_or_compute` in ``directory`` (default
+        ``cfg.cache_dir``, ``runs/cache``). ``key`` holds everything the arrays depend on
+        (JSON values; add a version number); ``compute()`` returns ``{name: array or
+        tensor}``. Returns CPU tensors; :attr:`cached` records ``name -> (path, computed)``.
+        """
+        from .io.cache import load_or_compute
+
+        where = directory if directory is not None else getattr(self.cfg, "cache_dir",
+                                                                 "runs/cache")
+        arrays, path, computed = load_or_compute(where, name, key, compute, attrs=attrs)
+        self.cached[name] = (path, computed)
+        return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
     def unroll(self, step: Callable, state: Any, n_steps: int | None = None, **kw) -> Any:
         """``deepsolve.unroll`` with the run's settings: ``n_steps`` defaults to
@@ -146,8 +175,8 @@ class Context:
         Its :class:`UnrollStats` go into the iteration's log row."""
         n = self.cfg.steps if n_steps is None else n_steps
         if "budget" not in kw and "snapshots" not in kw and "schedule" not in kw:
-            if self.cfg.budget:
-                kw["budget"] = self.cfg.budget
+            if self.budget:
+                kw["budget"] = self.budget
             elif self.cfg.snapshots:
                 kw["snapshots"] = int(self.cfg.snapshots)
         stats = kw.pop("stats", None) or UnrollStats()

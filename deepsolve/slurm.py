@@ -279,7 +279,8 @@ def sbatch_script(spec: SubmitSpec) -> str:
               '    --rdzv-backend c10d --rdzv-endpoint "$MASTER_NODE:$PORT"',
               '    --rdzv-id "deepsolve-$SLURM_JOB_ID"']
     launch += ["    " + o for o in launcher_opts]
-    launch.append(f'-m deepsolve train "$PROBLEM" --out "$RUN_DIR" --quiet --device {s.device}')
+    launch.append(f'-m deepsolve train "$PROBLEM" --out "$RUN_DIR" --device {s.device}'
+                  ' --threads "$THREADS"')
     launch.append('    ${RESUME[@]+"${RESUME[@]}"}' + (f" {train}" if train else "") + " &")
     srun = " \\\n    ".join(["srun --ntasks-per-node=1 --kill-on-bad-exit=1", *launch])
     body = f'''
@@ -291,6 +292,9 @@ PYTHON={q(s.python)}
 PORT={int(s.port)}
 NPROC={int(s.procs_per_node)}
 PREEMPTED=75      # deepsolve's exit code after a signal: restart file written, try again
+# torch CPU threads per training process: the node's --cpus-per-task shared among them
+THREADS=$(( ${{SLURM_CPUS_PER_TASK:-$NPROC}} / NPROC ))
+if [ "$THREADS" -lt 1 ]; then THREADS=1; fi
 
 mkdir -p "$RUN_DIR"
 echo "[deepsolve] job ${{SLURM_JOB_ID:-?}} attempt $(( ${{SLURM_RESTART_COUNT:-0}} + 1 )) on \\

@@ -34,7 +34,7 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,7 @@ class TrainResult:
     final_loss: float
     preempted: bool = False
     rank: int = 0            # this process's rank in a distributed run (only rank 0 writes)
+    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluate()'s values
 
 
 def resolve_config(problem: Problem, overrides: Mapping[str, Any] | None = None,
@@ -88,6 +89,49 @@ def resolve_config(problem: Problem, overrides: Mapping[str, Any] | None = None,
     if cfg["dtype"] not in _DTYPES:
         raise ValueError(f"dtype {cfg['dtype']!r} is not one of {', '.join(_DTYPES)}")
     return cfg
+
+
+#: torch's CPU threads when neither ``threads`` nor ``OMP_NUM_THREADS`` says otherwise; chosen
+#: from measurements on the shipped problems (docs/problems.md, "Threads"): one thread is as
+#: fast as two on a quiet 2-core machine for these step sizes and several times faster on a
+#: loaded one, where threads wait for each other at every operation.
+DEFAULT_THREADS = 1
+
+
+def apply_threads(threads: int) -> int:
+    """Set torch's intra-op CPU threads for the run and return the count: ``threads`` when
+    it is > 0; with 0, the ``OMP_NUM_THREADS`` environment variable when it is set (a batch
+    script's choice is kept), else :data:`DEFAULT_THREADS` (at most the CPUs this process
+    may use)."""
+    n = int(threads)
+    if n <= 0:
+        env = os.environ.get("OMP_NUM_THREADS", "").strip()
+        if env.isdigit() and int(env) > 0:
+            n = int(env)
+        else:
+            try:
+                usable = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                usable = os.cpu_count() or 1
+            n = max(1, min(DEFAULT_THREADS, usable))
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+def resolve_budget(cfg: Mapping[str, Any]) -> int | None:
+    """The run's unroll budget in bytes (``None`` without one), parsed before any work so a
+    bad ``--budget`` fails at once; a ``"%"`` budget is of ``cfg["device"]``'s memory now
+    (the trainer uses these bytes for the whole run unless ``budget_once`` is off)."""
+    from .memory.budget import parse_budget
+
+    b = cfg.get("budget")
+    if b in ("", None, 0):
+        return None
+    try:
+        return parse_budget(b, cfg["device"])
+    except ValueError as e:
+        raise ValueError(f"--budget: {e}") from None
 
 
 def _device(name: str) -> torch.device:
@@ -340,6 +384,10 @@ def _restore(path: str, state: dict[str, Any], problem: Problem, ctx: Context, m
     changed = isinstance(recorded, str) and recorded != sha
     note = (f" (restart.pt was written for a problem file with sha256 {recorded}; "
             f"{problem_path} has {sha})") if changed else ""
+    settings = changed_settings(state.get("config"), ctx.cfg.__dict__)
+    if settings:
+        note += (f"; settings changed since the restart file: {_names(settings, 4)} (resume "
+                 "with the recorded ones, or start a new --out)")
 
     def fail(what: str) -> RestartError:
         return RestartError(f"{path} does not match this run: {what}{note}")
@@ -371,6 +419,34 @@ def _restore(path: str, state: dict[str, Any], problem: Problem, ctx: Context, m
     if changed:
         _note(f"warning: {problem_path} has changed since {path} was written (recorded "
               f"sha256 {recorded}, now {sha}); resuming with the changed file")
+    if settings:
+        _note(f"warning: resuming with settings that differ from {path}'s: "
+              f"{_names(settings, 8)}")
+
+
+#: Settings a resumed run may change without a warning: how long and how it runs, not what.
+_RUN_CONTROL = frozenset({"iterations", "threads", "progress_every"})
+
+
+def changed_settings(recorded: Any, cfg: Mapping[str, Any]) -> list[str]:
+    """``["width 4 -> 8", ...]``: the settings of ``cfg`` that differ from a restart file's
+    recorded configuration (its JSON text), leaving out :data:`_RUN_CONTROL`; ``[]`` when
+    nothing is recorded."""
+    if not isinstance(recorded, str):
+        return []
+    try:
+        old = json.loads(recorded)
+    except ValueError:
+        return []
+    if not isinstance(old, dict):
+        return []
+    now = json.loads(json.dumps(dict(cfg), default=str))
+    out = []
+    for k in sorted(set(old) | set(now)):
+        if k in _RUN_CONTROL or old.get(k) == now.get(k):
+            continue
+        out.append(f"{k} {old.get(k, '(unset)')!r} -> {now.get(k, '(unset)')!r}")
+    return out
 
 
 def _note(msg: str) -> None:
@@ -472,9 +548,11 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
 
     problem0, _ = load_problem(problem_path)
     cfg = resolve_config(problem0, overrides, sets)
+    apply_threads(cfg["threads"])
     dist, cfg["device"] = D.setup(cfg["device"])
     try:
-        res = _train(problem_path, cfg, dist, out, resume, quiet, locking)
+        budget = resolve_budget(cfg)   # a bad --budget fails here, before any work
+        res = _train(problem_path, cfg, dist, out, resume, quiet, locking, budget)
         D.barrier(dist)  # the others wait for rank 0's restart file and log
         return res
     finally:
@@ -671,7 +749,7 @@ def _inspect_run_dir(run_dir: str, log_path: str, restart_path: str, resume: boo
 
 
 def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, quiet: bool,
-           locking: bool | None) -> TrainResult:
+           locking: bool | None, budget: int | None = None) -> TrainResult:
     from . import distributed as D
     from .memory.offload import remove_stale_spill_dirs
 
@@ -713,7 +791,7 @@ def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, qu
             run = _RunState(start=state["iteration"], restart=state)
         try:
             return _run(problem_path, cfg, dist, run, run_dir, log_path, restart_path, quiet,
-                        locking, stop, created)
+                        locking, stop, created, budget)
         finally:
             if lock is not None:
                 lock.release()
@@ -734,7 +812,7 @@ def _remove_empty_dir(path: str) -> None:
 
 def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_path: str,
          restart_path: str, quiet: bool, locking: bool | None, stop: _Preemption,
-         created: bool) -> TrainResult:
+         created: bool, budget: int | None = None) -> TrainResult:
     """Build the problem, restore the restart file, open the log and train."""
     from . import distributed as D
     from .io import H5Log
@@ -743,6 +821,8 @@ def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_p
     main = dist.is_main
     try:
         problem, ctx, sha = build(problem_path, cfg, dist.rank, dist.world_size)
+        if budget is not None and cfg["budget_once"]:
+            ctx.budget = budget
         D.check_batch(dist, problem, ctx)
         model = ctx.model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -755,13 +835,22 @@ def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_p
             _restore(restart_path, run.restart, problem, ctx, model, optimizer, scheduler,
                      problem_path, sha)
             run.restart = None
+        with torch.no_grad():  # the metric names fix the log's columns; a new log's baseline
+            baseline = {k: float(v) for k, v in (problem.evaluate(ctx) or {}).items()}
     except BaseException:
         if created and main:
             _remove_empty_dir(run_dir)
         raise
     D.broadcast_model(dist, model)
 
-    attrs = dict(_attrs(problem_path, sha, cfg, ctx.device), world_size=dist.world_size)
+    weights = problem.weights(ctx)
+    attrs = dict(_attrs(problem_path, sha, cfg, ctx.device), world_size=dist.world_size,
+                 threads=torch.get_num_threads())
+    if budget is not None:
+        attrs["budget_bytes"] = int(budget)
+    attrs["weights"] = {k: float(v) for k, v in weights.items()}
+    if not run.resume_log:   # before training: the model as built (kept by a resumed log)
+        attrs["initial_metrics"] = baseline
     if main:   # the restart file and the log's rows have been checked: now the log changes
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
@@ -771,7 +860,6 @@ def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_p
             _note(" ".join(str(w.message).split()))
     else:
         log = _NoLog()
-    weights = problem.weights(ctx)
     iterations = int(cfg["iterations"])
     eval_every = int(cfg["eval_every"])
     ckpt_every = max(int(cfg["checkpoint_every"]), 1)
@@ -792,15 +880,15 @@ def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_p
     last_loss = math.nan
     preempted = False
     it = start
+    metrics = dict(baseline)
     try:
-        with torch.no_grad():  # the metric names fix the log's columns; also a baseline
-            baseline = {k: float(v) for k, v in (problem.evaluate(ctx) or {}).items()}
         if D.any_rank(dist, stop.signal is not None, ctx.device):   # a signal during setup
             if main:
                 checkpoint(start)
             preempted = True
         else:
-            bar = _progress(iterations, start, quiet or not main)
+            bar = _progress(iterations, start, quiet or not main,
+                            float(cfg["progress_every"]))
             host_base = process_status("VmRSS:")  # the run's baseline for the real peak
             for it in range(start, iterations):
                 D.broadcast_buffers(dist, model)
@@ -808,6 +896,7 @@ def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_p
                                             weights, it, clip, closure_opt,
                                             track and it % memory_every == 0,
                                             MemoryMeter, dist, host_base)
+                row["budget_bytes"] = _budget_bytes(ctx)
                 _add_rank_peaks(dist, log, row, ctx.device)
                 _fit_memory_columns(log, row)
                 last = it == iterations - 1
@@ -816,12 +905,10 @@ def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_p
                 if (eval_every and (it + 1) % eval_every == 0) or last:
                     with torch.no_grad():
                         for k, v in (problem.evaluate(ctx) or {}).items():
-                            row[f"metric/{k}"] = float(v)
+                            row[f"metric/{k}"] = metrics[k] = float(v)
                 log.append(row)
                 if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{last_loss:.3e}",
-                                    mem=_fmt_mem(row.get("peak_device_memory")))
+                    bar.update(it, last_loss, row)
                 if not math.isfinite(last_loss):
                     log.flush()
                     raise FloatingPointError(f"the loss became {last_loss} at iteration {it}; "
@@ -839,7 +926,8 @@ def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_p
         log.close()
         if bar is not None:
             bar.close()
-    return TrainResult(run_dir, log_path, restart_path, it, last_loss, preempted, dist.rank)
+    return TrainResult(run_dir, log_path, restart_path, it, last_loss, preempted, dist.rank,
+                       metrics)
 
 
 def _add_rank_peaks(dist, log, row, device) -> None:
@@ -868,7 +956,18 @@ def _fit_memory_columns(log, row) -> None:
                 row.pop(k, None)
 
 
-_MEMORY_COLUMNS = ("peak_real_memory", "peak_tracked_memory")
+_MEMORY_COLUMNS = ("peak_real_memory", "peak_tracked_memory", "budget_bytes")
+
+
+def _budget_bytes(ctx: Context) -> float:
+    """The bytes the iteration's unrolls were given (NaN without a budget): the budget the
+    run resolved once, or a ``"%"`` budget resolved now (``budget_once`` off)."""
+    from .memory.budget import parse_budget
+
+    b = ctx.budget
+    if not b:
+        return math.nan
+    return float(b) if isinstance(b, (int, float)) else float(parse_budget(b, ctx.device))
 
 
 def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, clip,
@@ -959,12 +1058,58 @@ def _fmt_mem(x) -> str:
     return f"{x / 2**20:.0f}MiB"
 
 
-def _progress(total: int, start: int, quiet: bool):
-    if quiet or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
+def _fmt_time(seconds: float) -> str:
+    s = max(int(round(seconds)), 0)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else \
+        f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
-    return tqdm(total=total, initial=start, unit="it", dynamic_ncols=True)
+
+class _Bar:
+    """Progress on a terminal: a tqdm bar with the loss and the real peak."""
+
+    def __init__(self, total: int, start: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=start, unit="it", dynamic_ncols=True)
+
+    def update(self, it: int, loss: float, row: Mapping[str, Any]) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.3e}", mem=_fmt_mem(row.get("peak_real_memory")))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _Lines:
+    """Progress off a terminal (a redirected or batch run): one line on stderr after the
+    first iteration, then after any iteration that ends ``every`` seconds or more after the
+    last line, and after the last iteration: iterations done, loss, seconds per iteration
+    (mean since the start), the iteration's real peak and the time left at that pace."""
+
+    def __init__(self, total: int, start: int, every: float):
+        self.total, self.start, self.every = total, start, every
+        self.t0 = time.perf_counter()
+        self.last: float | None = None
+
+    def update(self, it: int, loss: float, row: Mapping[str, Any]) -> None:
+        now, done = time.perf_counter(), it + 1
+        if self.last is not None and done < self.total and now - self.last < self.every:
+            return
+        self.last = now
+        per = (now - self.t0) / max(done - self.start, 1)
+        print(f"deepsolve train: iteration {done}/{self.total}  loss {loss:.4e}  "
+              f"{per:.2f} s/it  peak {_fmt_mem(row.get('peak_real_memory'))}  "
+              f"ETA {_fmt_time(per * (self.total - done))}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, start: int, quiet: bool, every: float = 30.0):
+    """A tqdm bar on a terminal, one line per ``every`` seconds off it, nothing if quiet."""
+    if quiet:
+        return None
+    return _Bar(total, start) if sys.stderr.isatty() else _Lines(total, start, every)
 
 
 class _Captured(Exception):
@@ -980,6 +1125,7 @@ def plan_problem(problem_path: str, *, budget: str, sets: list[str] | None = Non
 
     problem0, _ = load_problem(problem_path)
     cfg = resolve_config(problem0, overrides, sets)
+    apply_threads(cfg["threads"])
     problem, ctx, _ = build(problem_path, cfg)
 
     def capture(step, state, n_steps=None, **kw):

@@ -130,15 +130,13 @@ example (not yet run on a GPU; check the reference first, e.g. ``fine_n=512`` ag
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
 
 import torch
 from torch import nn
 
 import deepsolve
+import deepsolve.io
 from deepsolve.physics import (
     Grid,
     NavierStokes2D,
@@ -235,8 +233,7 @@ def observation_steps(steps: int, obs_every: int) -> list[int]:
 
 def data_path(data_dir: str, attrs: dict) -> str:
     """Cache file name: ``ns_{split}_{hash of attrs}.h5`` in ``data_dir``."""
-    key = hashlib.sha256(json.dumps(attrs, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(data_dir, f"ns_{attrs['split']}_{key}.h5")
+    return deepsolve.io.cache_path(data_dir, f"ns_{attrs['split']}", attrs)
 
 
 def generate_reference(attrs: dict, device: torch.device, dtype: torch.dtype,
@@ -278,41 +275,29 @@ def generate_reference(attrs: dict, device: torch.device, dtype: torch.dtype,
     return out, t
 
 
+def _reference(attrs: dict, device: torch.device, dtype: torch.dtype):
+    """What :meth:`deepsolve.Context.cache` stores for ``attrs``: ``(compute, extra
+    attributes)``."""
+
+    def compute():
+        vort, t = generate_reference(attrs, device, dtype)
+        return {"vorticity": vort, "t": t}
+
+    info = {"obs_steps": observation_steps(attrs["steps"], attrs["obs_every"]),
+            "description": "2D Kolmogorov flow with drag, fine-grid vorticity spectrally "
+                           "filtered to the coarse grid; vorticity[trajectory, time, x, y]"}
+    return compute, info
+
+
 def load_or_generate(data_dir: str, attrs: dict, device: torch.device,
                      dtype: torch.dtype) -> tuple[torch.Tensor, str, bool]:
-    """The cached reference for ``attrs`` (generated and written atomically if missing).
-
-    Returns ``(vorticity on the CPU, path, generated)``.
-    """
-    import h5py
-
-    path = data_path(data_dir, attrs)
-    if os.path.exists(path):
-        try:
-            with h5py.File(path, "r") as f:
-                ok = all(f.attrs.get(k) == v for k, v in attrs.items())
-                if ok:
-                    return torch.from_numpy(f["vorticity"][...]).to(dtype), path, False
-        except (OSError, KeyError):
-            pass  # unreadable or incomplete: regenerate below
-    vort, t = generate_reference(attrs, device, dtype)
-    os.makedirs(data_dir, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.create_dataset("vorticity", data=vort.numpy())
-            f.create_dataset("t", data=t.numpy())
-            for k, v in attrs.items():
-                f.attrs[k] = v
-            f.attrs["obs_steps"] = observation_steps(attrs["steps"], attrs["obs_every"])
-            f.attrs["description"] = ("2D Kolmogorov flow with drag, fine-grid vorticity "
-                                      "spectrally filtered to the coarse grid; "
-                                      "vorticity[trajectory, time, x, y]")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return vort, path, True
+    """The cached reference for ``attrs`` (generated and written atomically if missing;
+    :func:`deepsolve.io.load_or_compute`). Returns ``(vorticity on the CPU, path,
+    generated)``."""
+    compute, info = _reference(attrs, device, dtype)
+    arrays, path, generated = deepsolve.io.load_or_compute(
+        data_dir, f"ns_{attrs['split']}", attrs, compute, attrs=info)
+    return torch.from_numpy(arrays["vorticity"]).to(dtype), path, generated
 
 
 # ----------------------------------------------------------------------------------------
@@ -372,7 +357,10 @@ class NavierStokesClosure(deepsolve.Problem):
         for split, n, seed in (("train", int(cfg.n_train), int(cfg.data_seed)),
                                ("test", int(cfg.n_test), int(cfg.data_seed) + 1)):
             attrs = _data_attrs(cfg, split, n, seed, data_dtype)
-            vort, path, generated = load_or_generate(cfg.data_dir, attrs, device, data_dtype)
+            compute, info = _reference(attrs, device, data_dtype)
+            name = f"ns_{split}"
+            vort = ctx.cache(name, attrs, compute, directory=cfg.data_dir, attrs=info)["vorticity"]
+            path, generated = ctx.cached[name]
             data[split] = vort.to(device=device, dtype=dtype)
             data[f"{split}_path"] = path
             data[f"{split}_generated"] = generated

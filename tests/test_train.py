@@ -11,6 +11,7 @@ import time
 import h5py
 import numpy as np
 import pytest
+import torch
 
 from deepsolve.cli import main
 from deepsolve.io import read_log
@@ -265,3 +266,144 @@ def test_log_is_readable_while_training(tmp_path):
         _stop(proc)
     assert proc.returncode == 0, err
     np.testing.assert_array_equal(read_log(log_path).columns["iteration"], np.arange(30))
+
+
+# ---------------------------------------------------------------- threads, progress, baseline
+
+
+@pytest.fixture
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_threads_setting_applies(tmp_path, keep_threads, monkeypatch):
+    from deepsolve.train import DEFAULT_THREADS, apply_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "run"
+    assert run_cli("train", TINY, "--out", out, "--iterations", 1, "--quiet",
+                   "--threads", 2) == 0            # an explicit count beats the environment
+    assert read_log(out / "log.h5").attrs["threads"] == 2
+    assert torch.get_num_threads() == 2
+    assert apply_threads(0) == 1                     # 0: OMP_NUM_THREADS when set
+    assert torch.get_num_threads() == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    torch.set_num_threads(2)
+    assert apply_threads(0) == min(DEFAULT_THREADS, len(os.sched_getaffinity(0)))
+    assert torch.get_num_threads() == min(DEFAULT_THREADS, len(os.sched_getaffinity(0)))
+    out2 = tmp_path / "run2"
+    assert run_cli("train", TINY, "--out", out2, "--iterations", 1, "--quiet",
+                   "--set", "threads=2") == 0     # the setting, as in a problem's defaults
+    assert read_log(out2 / "log.h5").attrs["threads"] == 2
+
+
+def test_progress_lines_off_a_terminal(tmp_path, capsys):
+    assert not sys.stderr.isatty()
+    assert run_cli("train", TINY, "--out", tmp_path / "a", "--iterations", 5,
+                   "--set", "progress_every=0") == 0
+    captured = capsys.readouterr()
+    lines = [ln for ln in captured.err.splitlines() if " s/it " in ln]
+    assert [ln.split()[3] for ln in lines] == [f"{k}/5" for k in range(1, 6)], lines
+    for ln in lines:
+        assert "loss " in ln and "peak " in ln and "ETA " in ln
+    log = read_log(tmp_path / "a" / "log.h5")
+    assert float(lines[-1].split()[5]) == pytest.approx(log.columns["loss"][-1], rel=1e-4)
+    # the final evaluate() metrics are printed, not only the loss
+    want = log.columns["metric/rate_error"][-1]
+    assert f"final metrics: rate_error {want:.4g}" in captured.out
+    # default: a line after the first iteration, then every 30 s, and after the last
+    assert run_cli("train", TINY, "--out", tmp_path / "b", "--iterations", 6) == 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if " s/it " in ln]
+    assert [ln.split()[3] for ln in lines] == ["1/6", "6/6"]
+    assert run_cli("train", TINY, "--out", tmp_path / "c", "--iterations", 3, "--quiet") == 0
+    assert " s/it " not in capsys.readouterr().err
+
+
+def test_baseline_metrics_before_training_are_logged(tmp_path):
+    out = tmp_path / "run"
+    assert run_cli("train", TINY, "--out", out, "--iterations", 4, "--quiet") == 0
+    log = read_log(out / "log.h5")
+    # the model as built: rate 0.1 against the true 0.8
+    assert log.attrs["initial_metrics"] == {"rate_error": pytest.approx(0.7, abs=1e-6)}
+    assert np.isnan(log.columns["metric/rate_error"][0])  # row 0 is not evaluated
+    assert log.attrs["weights"] == {}
+    # a resumed log keeps the first run's baseline
+    assert run_cli("train", TINY, "--out", out, "--iterations", 8, "--quiet", "--resume") == 0
+    log = read_log(out / "log.h5")
+    assert log.n_rows == 8
+    assert log.attrs["initial_metrics"] == {"rate_error": pytest.approx(0.7, abs=1e-6)}
+
+
+def test_percent_budget_is_resolved_once_and_logged_in_bytes(tmp_path, monkeypatch):
+    import deepsolve.memory.budget as B
+
+    calls = []
+
+    def capacity(device=None):  # the available memory changes every time it is asked
+        calls.append(1)
+        return (64 + 16 * len(calls)) << 20
+
+    monkeypatch.setattr(B, "device_capacity", capacity)
+    out = tmp_path / "once"
+    assert run_cli("train", TINY, "--out", out, "--iterations", 4, "--quiet",
+                   "--budget", "1%") == 0
+    log = read_log(out / "log.h5")
+    want = int(0.01 * (80 << 20))                    # the first resolution, at the start
+    assert log.attrs["budget_bytes"] == want
+    np.testing.assert_array_equal(log.columns["budget_bytes"], np.full(4, float(want)))
+    assert len(set(log.columns["schedule"])) == 1
+    calls.clear()
+    out = tmp_path / "each"
+    assert run_cli("train", TINY, "--out", out, "--iterations", 3, "--quiet",
+                   "--budget", "1%", "--set", "budget_once=false") == 0
+    got = read_log(out / "log.h5").columns["budget_bytes"]
+    assert len(set(got.tolist())) == 3 and np.all(np.diff(got) > 0)
+
+
+def test_bad_budget_fails_before_any_work_and_leaves_no_directory(tmp_path, capsys):
+    out = tmp_path / "run"
+    t0 = time.perf_counter()
+    rc = run_cli("train", TINY, "--out", out, "--budget", "12 parsecs")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "12 parsecs" in err
+    assert time.perf_counter() - t0 < 5
+    assert not out.exists()
+    assert run_cli("train", TINY, "--out", out, "--budget", "1MiB", "--iterations", 2,
+                   "--quiet") == 0                 # fixed: the same --out works
+
+
+def test_resume_with_changed_settings(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli("train", TINY, "--out", out, "--iterations", 3, "--quiet",
+                   "--set", "extra=2") == 0
+    capsys.readouterr()
+    # a shape setting that cannot work: one line naming the change, no traceback
+    rc = run_cli("train", TINY, "--out", out, "--iterations", 6, "--quiet", "--resume",
+                 "--set", "extra=3")
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "extra 2 -> 3" in err
+    # a change that still loads: a warning listing it, and the run goes on
+    rc = run_cli("train", TINY, "--out", out, "--iterations", 6, "--quiet", "--resume",
+                 "--set", "extra=2", "--set", "true_rate=0.5")
+    err = capsys.readouterr().err
+    assert rc == 0
+    warned = [ln for ln in err.splitlines() if "differ" in ln]
+    assert len(warned) == 1 and "true_rate 0.8 -> 0.5" in warned[0]
+    assert read_log(out / "log.h5").n_rows == 6
+    # more iterations alone is no change worth a warning
+    rc = run_cli("train", TINY, "--out", out, "--iterations", 7, "--quiet", "--resume",
+                 "--set", "extra=2", "--set", "true_rate=0.5")
+    assert rc == 0 and "differ" not in capsys.readouterr().err
+
+
+def test_version(capsys):
+    import deepsolve
+
+    with pytest.raises(SystemExit) as e:
+        run_cli("--version")
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"deepsolve {deepsolve.__version__}"

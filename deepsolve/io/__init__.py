@@ -1,6 +1,8 @@
-"""Training I/O: the HDF5 training log (:class:`H5Log`, :func:`read_log`) and the ``report``
-command's logic (:func:`report`). Schema and reading recipes: docs/h5-log.md."""
+"""Training I/O: the HDF5 training log (:class:`H5Log`, :func:`read_log`), the ``report``
+command's logic (:func:`report`) and the cache of a problem's derived data
+(:func:`load_or_compute`). Schema and reading recipes: docs/h5-log.md."""
 
+from .cache import cache_path, load_or_compute
 from .h5log import (
     INT_MISSING,
     SCHEMA_VERSION,
@@ -19,5 +21,5 @@ from .report import ReportError, plot_log, report, summarize
 __all__ = [
     "H5Log", "LogData", "LogError", "EmptyLogError", "read_log", "log_iterations", "to_pandas",
     "column_to_dataset", "SCHEMA_VERSION", "INT_MISSING", "UNITS", "report", "summarize",
-    "plot_log", "ReportError",
+    "plot_log", "ReportError", "cache_path", "load_or_compute",
 ]

@@ -66,6 +66,7 @@ UNITS: dict[str, str] = {
     "iteration": "1",
     "time": "s", "time_forward": "s", "time_backward": "s",
     "peak_device_memory": "bytes", "peak_host_memory": "bytes",
+    "peak_real_memory": "bytes", "peak_tracked_memory": "bytes", "budget_bytes": "bytes",
     "advances": "step evaluations", "recorded": "step evaluations", "snapshots": "states",
 }
 """Units stored as the dataset attribute ``units`` for the conventional columns."""

@@ -8,18 +8,20 @@ import deepsolve
 
 
 class Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, extra: int = 0):
         super().__init__()
         self.rate = torch.nn.Parameter(torch.tensor(0.1))
+        if extra:  # a parameter whose shape a setting decides (resume with another: refused)
+            self.extra = torch.nn.Parameter(torch.zeros(extra))
 
 
 class Decay(deepsolve.Problem):
     defaults = {"iterations": 12, "lr": 0.05, "steps": 50, "dt": 0.02, "true_rate": 0.8,
                 "sleep": 0.0, "checkpoint_every": 3, "eval_every": 4, "batch": 4,
-                "spike_at": -1}
+                "spike_at": -1, "extra": 0}
 
     def build(self, ctx):
-        ctx.model = Model().to(ctx.device, ctx.dtype)
+        ctx.model = Model(int(ctx.cfg.extra)).to(ctx.device, ctx.dtype)
         x0 = torch.linspace(0.5, 1.5, ctx.cfg.batch, device=ctx.device, dtype=ctx.dtype)
         xT = x0 * (1 - ctx.cfg.dt * ctx.cfg.true_rate) ** ctx.cfg.steps
         ctx.data = {"x0": x0, "xT": xT}
