@@ -20,6 +20,8 @@ import os
 import re
 import sys
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -53,11 +55,14 @@ def table(log_path: str) -> str:
     for k in rows:
         lines.append(f"| {int(c['iteration'][k]) + 1} | {c['metric/rel_err_closure'][k]:.3f} | "
                      f"{c['metric/rel_err_coarse'][k]:.3f} | {c['metric/improvement'][k]:.2f}× |")
-    real = c.get("peak_real_memory")
-    peak = f"; real peak {format_bytes(max(real))}" if real is not None else ""
     lines += ["", f"Training took {sum(c['time']):.0f} s ({log.attrs.get('threads', '?')} "
-              f"thread(s), {sum(c['time']) / log.n_rows:.1f} s per iteration{peak}; "
+              f"thread(s), {sum(c['time']) / log.n_rows:.1f} s per iteration, "
               f"{log.attrs.get('device_name', '')})."]
+    real = c.get("peak_real_memory")
+    if real is not None and np.isfinite(real).any():
+        lines[-1] += (f" The largest real peak of an iteration, everything it adds above the "
+                      f"run's start (the unroll under its budget, the optimiser, what the first "
+                      f"step profile leaves resident), was {format_bytes(np.nanmax(real))}.")
     return "\n".join(lines)
 
 

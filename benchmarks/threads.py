@@ -3,6 +3,12 @@ quiet machine and on a loaded one — what the trainer's default thread count re
 
     .venv/bin/python benchmarks/threads.py                       # all unrolled problems (~15 min)
     .venv/bin/python benchmarks/threads.py --problems navier_stokes --iterations 3
+    .venv/bin/python benchmarks/threads.py --demo quiet:1 quiet:2 loaded:1 --keep runs/demo
+
+``--demo MACHINE:THREADS ...`` times the whole main job instead (what ``make demo`` runs:
+``train problems/navier_stokes.py`` with its defaults, reference generation included, each
+in a fresh data directory as on a fresh clone) and prints its wall time per cell; ``--keep
+DIR`` keeps the first cell's run directory there.
 
 Each cell is one ``python -m deepsolve train PROBLEM --threads T`` subprocess with the
 problem's default settings (its default horizon, budget and model) and ``--iterations K``;
@@ -55,6 +61,53 @@ def _run(problem: str, threads: int, iterations: int, workdir: str) -> tuple[flo
     return statistics.median(t[1:] if len(t) > 1 else t), wall
 
 
+class _Load:
+    """``n`` busy processes while the block runs."""
+
+    def __init__(self, n: int):
+        self.stop = mp.Event()
+        self.procs = [mp.Process(target=_spin, args=(self.stop,), daemon=True)
+                      for _ in range(n)]
+
+    def __enter__(self):
+        for p in self.procs:
+            p.start()
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for p in self.procs:
+            p.join()
+
+
+def demo(cells: list[str], load: int, keep: str | None) -> None:
+    """Wall time of the main job per ``machine:threads`` cell."""
+    import shutil
+
+    print("| machine | threads | `make demo` wall [s] | of which training [s] | s/it |")
+    print("|---|---|---|---|---|")
+    for k, cell in enumerate(cells):
+        machine, threads = cell.split(":")
+        work = tempfile.mkdtemp(prefix="deepsolve-demo-")
+        out = os.path.join(work, "run")
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+        cmd = [sys.executable, "-m", "deepsolve", "train",
+               os.path.join(ROOT, "problems", "navier_stokes.py"), "--out", out, "--quiet",
+               "--threads", threads, "--set", f"data_dir={os.path.join(work, 'data')}"]
+        with _Load(load if machine == "loaded" else 0):
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+            wall = time.perf_counter() - t0
+        from deepsolve.io import read_log
+
+        t = read_log(os.path.join(out, "log.h5")).columns["time"]
+        print(f"| {machine} | {threads} | {wall:.0f} | {sum(t):.0f} | "
+              f"{statistics.median(t):.2f} |", flush=True)
+        if keep and k == 0:
+            shutil.rmtree(keep, ignore_errors=True)
+            shutil.copytree(out, keep)
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--problems", nargs="*", default=UNROLLED)
@@ -62,9 +115,16 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--load", type=int, default=None,
                     help="busy processes for the loaded rows (default 2 x usable CPUs)")
+    ap.add_argument("--demo", nargs="*", metavar="MACHINE:THREADS",
+                    help="time the whole main job in these cells (quiet:1 loaded:1 ...)")
+    ap.add_argument("--keep", help="--demo: keep the first cell's run directory here")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     load = args.load if args.load is not None else 2 * cpus
+    if args.demo:
+        print(f"{cpus} usable CPUs; loaded cells run beside {load} busy processes\n")
+        demo(args.demo, load, args.keep)
+        return
     work = tempfile.mkdtemp(prefix="deepsolve-threads-")
     print(f"{cpus} usable CPUs; loaded rows run beside {load} busy processes; "
           f"{args.iterations} iterations per cell, median of iterations 1..\n")
@@ -73,17 +133,8 @@ def main() -> None:
     rows = []
     for problem in args.problems:
         for loaded in (False, True):
-            stop = mp.Event()
-            spinners = [mp.Process(target=_spin, args=(stop,), daemon=True)
-                        for _ in range(load if loaded else 0)]
-            for p in spinners:
-                p.start()
-            try:
+            with _Load(load if loaded else 0):
                 cells = {t: _run(problem, t, args.iterations, work) for t in args.threads}
-            finally:
-                stop.set()
-                for p in spinners:
-                    p.join()
             rows.append((problem, "loaded" if loaded else "quiet", cells))
             base = cells[args.threads[0]][0]
             print(f"  {problem} {'loaded' if loaded else 'quiet'}: " + ", ".join(

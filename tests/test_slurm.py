@@ -142,7 +142,8 @@ def _stubs(tmp_path) -> tuple[str, str]:
     return f"{bin_dir}:/usr/bin:/bin", str(record)
 
 
-def _run_script(tmp_path, text: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def _run_script(tmp_path, text: str,
+                extra_env: dict | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run the batch script under bash with the stubs on PATH, from an empty directory;
     returns the result and the arguments ``srun`` received."""
     path_env, record = _stubs(tmp_path)
@@ -151,7 +152,7 @@ def _run_script(tmp_path, text: str) -> tuple[subprocess.CompletedProcess, list[
     script = tmp_path / "job.sbatch"
     script.write_text(text)
     env = {"PATH": path_env, "SRUN_ARGS": record, "SLURM_JOB_ID": "7", "SLURM_NNODES": "1",
-           "SLURM_JOB_NODELIST": "node001", "HOME": str(tmp_path)}
+           "SLURM_JOB_NODELIST": "node001", "HOME": str(tmp_path), **(extra_env or {})}
     res = subprocess.run(["bash", str(script)], cwd=cwd, env=env, capture_output=True,
                          text=True, timeout=60)
     args = open(record, "rb").read().decode().split("\0")[:-1] if os.path.exists(record) \
@@ -534,3 +535,17 @@ def test_signal_requeue_and_resume_on_a_real_slurm(slurm, tmp_path, monkeypatch,
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+@pytest.mark.parametrize("cpus,tasks,want", [("8", 4, "2"), ("3", 4, "1"), (None, 2, "1")])
+def test_each_process_gets_its_share_of_the_cpus_as_threads(tmp_path, cpus, tasks, want):
+    """--threads = the node's --cpus-per-task over its training processes (at least 1)."""
+    spec = SubmitSpec.create(BATCH, gpus_per_node=0, tasks_per_node=tasks, time="01:00:00",
+                             out=str(tmp_path / "out"))
+    text = sbatch_script(spec)
+    if cpus is None:
+        assert f"#SBATCH --cpus-per-task={tasks}" in text  # the CPU-node default
+    res, args = _run_script(tmp_path, text,
+                            {"SLURM_CPUS_PER_TASK": cpus} if cpus is not None else None)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert args[args.index("--threads") + 1] == want
