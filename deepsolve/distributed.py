@@ -25,6 +25,8 @@ from __future__ import annotations
 import datetime as _dt
 import math
 import os
+import signal
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -106,8 +108,19 @@ def setup(device_name: str, timeout_s: float = 600.0) -> tuple[DistInfo, str]:
         if not os.environ.get(name):
             raise ValueError(f"WORLD_SIZE={world} but {name} is not set; start the run with "
                              "torchrun (see docs/hpc.md)")
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=_dt.timedelta(seconds=timeout_s))
+    # The communication threads the process group starts inherit this thread's signal mask:
+    # with the preemption signals blocked there, SIGTERM/SIGUSR1 always reach the main thread
+    # (whose handler sets the stop flag) and never interrupt a system call of theirs.
+    stop = {signal.SIGTERM, signal.SIGUSR1}
+    blocked = threading.current_thread() is threading.main_thread()
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                                world_size=world, timeout=_dt.timedelta(seconds=timeout_s))
+    finally:
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stop)
     return DistInfo(rank, world, local, backend, True), device
 
 

@@ -468,6 +468,10 @@ class _Preemption:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             try:
                 self._old[sig] = signal.signal(sig, self._handler)
+                # restart interrupted system calls (SA_RESTART): a signal that arrives while
+                # a rank waits in a collective must set the flag, not hand the
+                # communication library an EINTR it may treat as fatal
+                signal.siginterrupt(sig, False)
             except (ValueError, OSError):  # not the main thread
                 pass
         return self

@@ -310,7 +310,15 @@ class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
 
         coll = Collocation(sampler, m * n, resample_every=int(cfg.resample_every), seed=seed)
         tg = np.linspace(0.0, 1.0, nt)
-        xr, ur = allen_cahn_reference(tg, modes, float(cfg.ref_dt), float(cfg.d))
+        key = {"version": 1, "test_nt": nt, "ref_modes": modes, "ref_dt": float(cfg.ref_dt),
+               "d": float(cfg.d)}   # computed once, read back by plan, check and --resume
+
+        def reference():
+            x, u = allen_cahn_reference(tg, modes, float(cfg.ref_dt), float(cfg.d))
+            return {"x": x, "u": u}
+
+        ref = ctx.cache("allen_cahn_reference", key, reference)
+        xr, ur = ref["x"].numpy(), ref["u"].numpy()
         xg, exact = xr[:: modes // nx], ur[:: modes // nx]
         X, T = np.meshgrid(xg, tg, indexing="ij")
         x0 = -1.0 + 2.0 * unit_samples(int(cfg.n_initial), 1, method, seed + 1)[:, 0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import pathlib
 import sys
 
@@ -251,3 +252,16 @@ def test_residual_budget_chunks_the_causal_loss(ac):
     assert torch.allclose(out["chunked"][0], out["whole"][0], rtol=1e-12, atol=0)
     for a, b in zip(out["chunked"][1], out["whole"][1], strict=True):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
+def test_reference_is_computed_once_and_read_back(ac, tmp_path):
+    prob, _ = ac
+    sets = [f"cache_dir={tmp_path}"]
+    first, second = make_ctx(prob, sets), make_ctx(prob, sets)
+    path, computed = first.cached["allen_cahn_reference"]
+    assert computed and os.path.dirname(path) == str(tmp_path)
+    assert second.cached["allen_cahn_reference"] == (path, False)
+    for k in first.data:  # the same data from the file as from the computation
+        a, b = first.data[k], second.data[k]
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
