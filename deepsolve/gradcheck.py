@@ -637,12 +637,20 @@ def check_problem(problem_path: str, *, steps: int | None = None,
     Returns a :class:`GradientCheck` (``title`` names the problem). One-line
     ``ValueError`` for a bad ``steps`` or a problem whose unroll has no fixed length.
     """
-    from .problem import Problem, load_problem
-    from .train import apply_threads, build, resolve_config
+    from .problem import load_problem
+    from .train import resolve_config, run_threads
 
     problem0, _ = load_problem(problem_path)
     cfg = resolve_config(problem0, overrides, sets)
-    apply_threads(cfg["threads"])
+    with run_threads(cfg["threads"]):
+        return _check_problem(problem_path, cfg, steps, rtol)
+
+
+def _check_problem(problem_path: str, cfg: dict, steps: int | None,
+                   rtol: float | None) -> GradientCheck:
+    from .problem import Problem
+    from .train import build
+
     problem, ctx, _ = build(problem_path, cfg)
     rng0 = _rng_get()
 

@@ -19,6 +19,7 @@ See docs/problems.md.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -117,6 +118,16 @@ def apply_threads(threads: int) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+@contextlib.contextmanager
+def run_threads(threads: int):
+    """:func:`apply_threads` for the ``with`` block; the caller's count is restored after."""
+    old = torch.get_num_threads()
+    try:
+        yield apply_threads(threads)
+    finally:
+        torch.set_num_threads(old)
 
 
 def resolve_budget(cfg: Mapping[str, Any]) -> int | None:
@@ -552,15 +563,15 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
 
     problem0, _ = load_problem(problem_path)
     cfg = resolve_config(problem0, overrides, sets)
-    apply_threads(cfg["threads"])
-    dist, cfg["device"] = D.setup(cfg["device"])
-    try:
-        budget = resolve_budget(cfg)   # a bad --budget fails here, before any work
-        res = _train(problem_path, cfg, dist, out, resume, quiet, locking, budget)
-        D.barrier(dist)  # the others wait for rank 0's restart file and log
-        return res
-    finally:
-        D.cleanup(dist)
+    with run_threads(cfg["threads"]):   # the caller's thread count is restored after
+        dist, cfg["device"] = D.setup(cfg["device"])
+        try:
+            budget = resolve_budget(cfg)   # a bad --budget fails here, before any work
+            res = _train(problem_path, cfg, dist, out, resume, quiet, locking, budget)
+            D.barrier(dist)  # the others wait for rank 0's restart file and log
+            return res
+        finally:
+            D.cleanup(dist)
 
 
 class _NoLog:
@@ -964,8 +975,9 @@ _MEMORY_COLUMNS = ("peak_real_memory", "peak_tracked_memory", "budget_bytes")
 
 
 def _budget_bytes(ctx: Context) -> float:
-    """The bytes the iteration's unrolls were given (NaN without a budget): the budget the
-    run resolved once, or a ``"%"`` budget resolved now (``budget_once`` off)."""
+    """The run's budget in bytes for the log row (NaN without one): the bytes resolved once
+    at the start, or, with ``budget_once`` off, a ``"%"`` budget resolved again at the end of
+    the iteration (what the next unroll will be given, up to memory that changes meanwhile)."""
     from .memory.budget import parse_budget
 
     b = ctx.budget
@@ -1125,11 +1137,15 @@ def plan_problem(problem_path: str, *, budget: str, sets: list[str] | None = Non
                  overrides: Mapping[str, Any] | None = None):
     """The plan ``train`` would use for the problem's unroll under ``budget``: builds the
     problem, captures its first ``ctx.unroll`` call and plans it."""
-    from .memory.planner import plan
-
     problem0, _ = load_problem(problem_path)
     cfg = resolve_config(problem0, overrides, sets)
-    apply_threads(cfg["threads"])
+    with run_threads(cfg["threads"]):
+        return _plan_problem(problem_path, cfg, budget)
+
+
+def _plan_problem(problem_path: str, cfg: dict, budget: str):
+    from .memory.planner import plan
+
     problem, ctx, _ = build(problem_path, cfg)
 
     def capture(step, state, n_steps=None, **kw):

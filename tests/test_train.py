@@ -282,11 +282,12 @@ def test_threads_setting_applies(tmp_path, keep_threads, monkeypatch):
     from deepsolve.train import DEFAULT_THREADS, apply_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
     out = tmp_path / "run"
     assert run_cli("train", TINY, "--out", out, "--iterations", 1, "--quiet",
                    "--threads", 2) == 0            # an explicit count beats the environment
-    assert read_log(out / "log.h5").attrs["threads"] == 2
-    assert torch.get_num_threads() == 2
+    assert read_log(out / "log.h5").attrs["threads"] == 2  # what the run used
+    assert torch.get_num_threads() == 1                      # the caller's, restored
     assert apply_threads(0) == 1                     # 0: OMP_NUM_THREADS when set
     assert torch.get_num_threads() == 1
     monkeypatch.delenv("OMP_NUM_THREADS")
