@@ -127,7 +127,8 @@ def run_threads(threads: int):
     try:
         yield apply_threads(threads)
     finally:
-        torch.set_num_threads(old)
+        if torch.get_num_threads() != old:
+            torch.set_num_threads(old)
 
 
 def resolve_budget(cfg: Mapping[str, Any]) -> int | None:
