@@ -658,8 +658,8 @@ def _check_problem(problem_path: str, cfg: dict, steps: int | None,
         n = int(ctx.cfg.steps) if n_steps is None else n_steps
         kw.pop("stats", None)
         if "budget" not in kw and "snapshots" not in kw and "schedule" not in kw:
-            if ctx.cfg.budget:  # as Context.unroll does
-                kw["budget"] = ctx.cfg.budget
+            if ctx.budget:  # as Context.unroll does
+                kw["budget"] = ctx.budget
             elif ctx.cfg.snapshots:
                 kw["snapshots"] = int(ctx.cfg.snapshots)
         fn = step

@@ -163,8 +163,8 @@ class Context:
         """
         from .io.cache import load_or_compute
 
-        where = directory if directory is not None else getattr(self.cfg, "cache_dir",
-                                                                 "runs/cache")
+        where = directory if directory is not None else getattr(
+            self.cfg, "cache_dir", TRAINER_DEFAULTS["cache_dir"])
         arrays, path, computed = load_or_compute(where, name, key, compute, attrs=attrs)
         self.cached[name] = (path, computed)
         return {k: torch.from_numpy(v) for k, v in arrays.items()}

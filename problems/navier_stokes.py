@@ -136,7 +136,6 @@ import torch
 from torch import nn
 
 import deepsolve
-import deepsolve.io
 from deepsolve.physics import (
     Grid,
     NavierStokes2D,
@@ -231,11 +230,6 @@ def observation_steps(steps: int, obs_every: int) -> list[int]:
     return [(2 * k * steps + n_obs) // (2 * n_obs) for k in range(1, n_obs + 1)]
 
 
-def data_path(data_dir: str, attrs: dict) -> str:
-    """Cache file name: ``ns_{split}_{hash of attrs}.h5`` in ``data_dir``."""
-    return deepsolve.io.cache_path(data_dir, f"ns_{attrs['split']}", attrs)
-
-
 def generate_reference(attrs: dict, device: torch.device, dtype: torch.dtype,
                        chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Fine-grid trajectories filtered to the coarse grid.
@@ -287,17 +281,6 @@ def _reference(attrs: dict, device: torch.device, dtype: torch.dtype):
             "description": "2D Kolmogorov flow with drag, fine-grid vorticity spectrally "
                            "filtered to the coarse grid; vorticity[trajectory, time, x, y]"}
     return compute, info
-
-
-def load_or_generate(data_dir: str, attrs: dict, device: torch.device,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, str, bool]:
-    """The cached reference for ``attrs`` (generated and written atomically if missing;
-    :func:`deepsolve.io.load_or_compute`). Returns ``(vorticity on the CPU, path,
-    generated)``."""
-    compute, info = _reference(attrs, device, dtype)
-    arrays, path, generated = deepsolve.io.load_or_compute(
-        data_dir, f"ns_{attrs['split']}", attrs, compute, attrs=info)
-    return torch.from_numpy(arrays["vorticity"]).to(dtype), path, generated
 
 
 # ----------------------------------------------------------------------------------------

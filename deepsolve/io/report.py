@@ -329,20 +329,22 @@ def _number(v: Any) -> float | None:
     return f if math.isfinite(f) else None
 
 
+def _numbers(log: LogData, attr: str) -> dict[str, float] | None:
+    """A dict attribute's finite numeric entries; ``None`` when the log has no such dict."""
+    d = log.attrs.get(attr)
+    if not isinstance(d, dict):
+        return None
+    return {str(k): f for k, v in d.items() if (f := _number(v)) is not None}
+
+
 def _weights(log: LogData) -> dict[str, float] | None:
     """The ``weights`` attribute (term -> weight); ``None`` when the log has none."""
-    w = log.attrs.get("weights")
-    if not isinstance(w, dict):
-        return None
-    return {str(k): f for k, v in w.items() if (f := _number(v)) is not None}
+    return _numbers(log, "weights")
 
 
 def _initial_metrics(log: LogData) -> dict[str, float]:
     """The ``initial_metrics`` attribute (metric -> value before training); ``{}`` without."""
-    m = log.attrs.get("initial_metrics")
-    if not isinstance(m, dict):
-        return {}
-    return {str(k): f for k, v in m.items() if (f := _number(v)) is not None}
+    return _numbers(log, "initial_metrics") or {}
 
 
 def _device_kind(log: LogData) -> str | None:

@@ -279,11 +279,8 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
                 y, out = record(warm, 0)
         else:
             y, out = record(warm, 0)
-        roots, _, inputs = _roots_and_inputs(y, out, warm, params)
-        if roots and inputs:
-            torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
-                                allow_unused=True)
-        del y, out, roots, inputs, warm
+        _backward(y, out, warm, params)
+        del y, out, warm
     # what the C library hands out for a kept step and one more chained step: tensors and
     # the C++ objects of their graph (measured without the profiler, whose event records
     # are allocated with malloc too)
@@ -347,12 +344,17 @@ def _timed(record, x: list[torch.Tensor], params, cuda: bool) -> tuple[float, fl
         y, out = record(x_in, 0)
     _sync(cuda)
     t1 = time.perf_counter()
+    _backward(y, out, x_in, params)
+    _sync(cuda)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def _backward(y, out, x_in, params) -> None:
+    """The backward of a recorded step, seeded with ones, gradients discarded."""
     roots, _, inputs = _roots_and_inputs(y, out, x_in, params)
     if roots and inputs:
         torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
                             allow_unused=True)
-    _sync(cuda)
-    return t1 - t0, time.perf_counter() - t1
 
 
 def _estimate(mem: _Memory, state_bytes: int) -> _Memory:
