@@ -116,7 +116,7 @@ def step_table(configs, rounds: int, compiled: bool = True) -> tuple[list[str], 
     import ns_step
     from torch.utils.checkpoint import checkpoint
 
-    from deepsolve.executor import CompiledPolicy, _Step, policy_context, saved_bytes
+    from deepsolve.engine import CompiledPolicy, Step, policy_context, saved_bytes
     from deepsolve.memory import profile_step
 
     lines = ["| closure | policy | kept tape [KiB] | tape / none | record [ms] | backward [ms] "
@@ -131,7 +131,7 @@ def step_table(configs, rounds: int, compiled: bool = True) -> tuple[list[str], 
                  for name, p in pols.items()}
         ctx = {name: policy_context(p) for name, p in pols.items() if p is not None}
         # a compiled policy records as the executor does: the compiled (i, *leaves) function
-        run = {name: p.compiled_step(_Step(step, None, [w0], False), True)
+        run = {name: p.compiled_step(Step(step, None, [w0], False), True)
                for name, p in pols.items() if isinstance(p, CompiledPolicy)}
         if compiled:  # for reference: the step compiled without any policy
             name = "torch.compile(step), no policy"
@@ -219,7 +219,7 @@ def child(mode: str, T: int, budget: int, out: str) -> dict:
 
     import deepsolve
     from deepsolve import schedules as S
-    from deepsolve.executor import execute
+    from deepsolve.engine import execute
     from deepsolve.memory import profile_step
     from deepsolve.memory.meter import process_status, reset_high_water_mark
     from deepsolve.memory.planner import predicted_peak

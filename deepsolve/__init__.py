@@ -17,7 +17,7 @@ Public surface:
 """
 
 from . import schedules
-from .executor import CompiledPolicy
+from .engine import CompiledPolicy
 from .fixed_point import FixedPointError, FixedPointStats, FixedPointWarning, fixed_point
 from .gradcheck import check_gradients
 from .memory import BudgetError, Plan, plan

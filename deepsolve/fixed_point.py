@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from .executor import UnrollStats, _devices, _get_rng, _set_rng
+from .engine import Replay, UnrollStats
 from .unroll import unroll
 
 __all__ = [
@@ -400,8 +400,8 @@ class _Adjoint:
     """What the implicit backward needs: ``f``, ``z*``, the RNG state of the recording and
     the adjoint solver settings."""
 
-    def __init__(self, f, z, rng, cuda, lay, solver, options, tol, max_iter, strict, stats):
-        self.f, self.z, self.rng, self.cuda, self.lay = f, z, rng, cuda, lay
+    def __init__(self, f, z, rng, replay, lay, solver, options, tol, max_iter, strict, stats):
+        self.f, self.z, self.rng, self.replay, self.lay = f, z, rng, replay, lay
         self.solver, self.options, self.tol, self.max_iter = solver, options, tol, max_iter
         self.strict, self.stats = strict, stats
 
@@ -409,8 +409,8 @@ class _Adjoint:
         """``g = J_f(z*)^T g + v`` by the adjoint solver, one VJP per iteration."""
         t0 = time.perf_counter()
         zr = self.z.detach().requires_grad_()
-        with torch.random.fork_rng(devices=self.cuda), torch.enable_grad():
-            _set_rng(self.rng, self.cuda)
+        with torch.random.fork_rng(devices=self.replay.cuda), torch.enable_grad():
+            self.replay.restore(self.rng)
             fz = self.f(zr)
         v = v.contiguous()
         if not fz.requires_grad:  # f does not depend on z: J = 0
@@ -617,15 +617,15 @@ def fixed_point(
 
 def _implicit(f, zk, lay, bsolver, opts, btol, bmax, strict, st) -> torch.Tensor:
     z = zk.detach()
-    cuda = _devices([z])
-    rng = _get_rng(cuda)
+    replay = Replay.of([z])
+    rng = replay.capture()
     with torch.enable_grad():
         out = f(z)
     if not out.requires_grad:  # nothing in f requires grad
         st.backward = "none"
         return zk
     st.backward = "implicit"
-    adj = _Adjoint(f, z, rng, cuda, lay, bsolver, opts, float(btol), bmax, strict, st)
+    adj = _Adjoint(f, z, rng, replay, lay, bsolver, opts, float(btol), bmax, strict, st)
     return _ImplicitFunction.apply(adj, out)
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .executor import UnrollStats
+from .engine import UnrollStats
 from .unroll import unroll
 
 __all__ = ["Problem", "Context", "load_problem", "ProblemError", "TRAINER_DEFAULTS",

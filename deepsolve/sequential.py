@@ -36,25 +36,15 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .executor import (
-    _Autocast,
-    _autocast_state,
-    _devices,
-    _get_rng,
-    _graph_leaves,
-    _holding,
-    _Misfit,
-    _set_rng,
-)
+from .engine import GradSum, Interpreter, Replay, cuda_devices, graph_leaves, is_diff
 from .memory.budget import BudgetError, format_bytes, parse_budget
 from .schedules import Schedule
-from .schedules.actions import Advance, Free, Record, Restore, Reverse, Store
-from .schedules.check import ScheduleError
+from .schedules.actions import Advance
 from .schedules.hetero import ChainCosts, Hetero, hetero_peak
 
 __all__ = ["sequential", "SequentialStats", "ChainProfile", "profile_chain",
@@ -144,10 +134,6 @@ def _storage(t: torch.Tensor) -> tuple[Any, int]:
         return ("tensor", id(t)), _nbytes(t)
 
 
-def _is_diff(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
-
-
 def _module_params(layer) -> list[torch.Tensor]:
     if isinstance(layer, torch.nn.Module):
         return [p for p in layer.parameters() if p.requires_grad]
@@ -189,7 +175,7 @@ def profile_chain(layers: Sequence[Callable], x: torch.Tensor, *, repeats: int =
         refs, prof = _profiles[key]
         if all(r() is l for r, l in zip(refs, layers, strict=True)):
             return prof
-    cuda = _devices([x])
+    cuda = cuda_devices([x])
     with torch.random.fork_rng(devices=cuda):
         prof = _profile(layers, x, repeats)
     if cache:
@@ -219,7 +205,7 @@ def _profile(layers: list, x: torch.Tensor, repeats: int) -> ChainProfile:
                 times.append(time.perf_counter() - t0)
         fwd.append(statistics.median(times) if times else 0.0)
         # one recorded run: saved tensors, parameters, record + backward time
-        x_in = cur.detach().requires_grad_(_is_diff(cur))
+        x_in = cur.detach().requires_grad_(is_diff(cur))
         skip = {_storage(x_in)[0]}
         seen: dict = {}
 
@@ -238,7 +224,7 @@ def _profile(layers: list, x: torch.Tensor, repeats: int) -> ChainProfile:
         found = list(_module_params(layer))
         if y.requires_grad and y.grad_fn is not None:
             ids = {id(p) for p in found} | {id(x_in)}
-            found += [p for p in _graph_leaves([y], {}, 0, {id(x_in)}) if id(p) not in ids]
+            found += [p for p in graph_leaves([y], {}, 0, {id(x_in)}) if id(p) not in ids]
         found = list({id(p): p for p in found if p.requires_grad}.values())
         inputs = ([x_in] if x_in.requires_grad else []) + found
         if y.requires_grad and inputs:
@@ -273,42 +259,50 @@ def _profile(layers: list, x: torch.Tensor, repeats: int) -> ChainProfile:
 # the executor
 
 
-class _Chain:
-    """Runs a schedule over the layers: the forward sweep in ``forward``, the reverse sweep in
-    ``backward`` (each reverse step: ``torch.autograd.grad`` on the recorded layer)."""
+class LayerTape(NamedTuple):
+    """One recorded layer: its detached input ``x_in``, the gradient edge of its output (not
+    the output itself, whose storage may be freed; ``None`` when nothing requires grad) and
+    whether the layer is the identity (the adjoint then passes through)."""
+
+    x_in: torch.Tensor
+    edge: Any
+    identity: bool
+
+
+class _Chain(Interpreter):
+    """Runs a schedule over the layers with the engine's interpreter
+    (:class:`~deepsolve.engine.Interpreter`): the forward sweep in ``forward``, the reverse
+    sweep in ``backward`` (each reverse step: ``torch.autograd.grad`` on the recorded layer).
+    States are one-tensor lists whose shape changes from layer to layer."""
+
+    who = "sequential"
+    unit = "layer"
+    check_hint = ""
+    double_backward_hint = "run the layers without a budget for higher-order derivatives"
+    once = ("sequential: backward can run only once per call; call sequential again for a "
+            "second backward pass")
 
     def __init__(self, layers: list, layer_params: list[list[int]], params: list,
                  schedule, preserve_rng: bool, cuda: list[int], stats: SequentialStats | None):
+        super().__init__(schedule, len(layers), Replay(cuda, preserve_rng))
         self.layers = layers
         self.lp = layer_params  # indices into params, per layer
         self.params = params
-        self.schedule = schedule
-        self.n = len(layers)
-        self.preserve_rng = preserve_rng
-        self.cuda = cuda
-        self.autocast = _autocast_state()
         self.stats = stats
-        self.slots: dict[tuple[int, int], tuple] = {}
-        self.tapes: dict[int, tuple] = {}
-        self.advances = 0
-        self.recorded = 0
-        self.done = False
         self.known = {id(p) for p in params}
-        self.at = 0  # index of the layer input held (-1: none); checked as the executor does
-        self.adj_at = self.n  # the adjoint dL/dx_adj is held
-        self.pos = 0  # actions consumed
 
-    def _advance(self, cur: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    def _advance(self, cur: list, a: int, b: int, outs) -> list:
+        x = cur[0]
+        layers = self.layers
         with torch.no_grad():
             for i in range(a, b):
-                cur = self.layers[i](cur)
+                x = layers[i](x)
         self.advances += b - a
-        return cur
+        return [x]
 
-    def _record(self, cur: torch.Tensor, i: int) -> tuple:
-        """Run layer ``i`` with grad from a detached input; the tape keeps the input and the
-        gradient edge of the output (not the output itself, whose storage may be freed)."""
-        x_in = cur.detach().requires_grad_(_is_diff(cur))
+    def _record(self, cur: torch.Tensor, i: int) -> tuple[LayerTape, torch.Tensor]:
+        """Run layer ``i`` with grad from a detached input: its tape and its output."""
+        x_in = cur.detach().requires_grad_(is_diff(cur))
         try:
             with torch.enable_grad():
                 y = _check_out(self.layers[i](x_in), i)
@@ -319,125 +313,39 @@ class _Chain:
                                "layer must return a new tensor") from e
         self.recorded += 1
         if y is x_in:  # an identity layer: the adjoint passes through
-            return x_in, None, True, y.detach()
+            return LayerTape(x_in, None, True), y.detach()
         if not y.requires_grad:
-            return x_in, None, False, y.detach()
+            return LayerTape(x_in, None, False), y.detach()
         if y.grad_fn is not None:
-            extra = [p for p in _graph_leaves([y], {}, 0, {id(x_in)}) if id(p) not in self.known]
+            extra = [p for p in graph_leaves([y], {}, 0, {id(x_in)}) if id(p) not in self.known]
             if extra:
                 raise ValueError(
                     f"sequential: layer {i} uses {len(extra)} tensor(s) requiring grad that are "
                     "not parameters of a layer module; pass them as params=[...] so their "
                     "gradients can flow")
-        return x_in, get_gradient_edge(y), False, y.detach()
+        return LayerTape(x_in, get_gradient_edge(y), False), y.detach()
 
-    def _store(self, cur: torch.Tensor, a: Store) -> None:
-        rng = _get_rng(self.cuda) if self.preserve_rng else None
-        key = (a.level, a.slot)
-        if key in self.slots:
-            raise _Misfit(f"slot {a.slot} (level {a.level}) already holds "
-                          f"x_{self.slots[key][3]}; Free it first")
-        self.slots[key] = (cur, cur._version, rng, a.index)
+    def _keep(self, cur: list, i: int, outs) -> list:
+        tape, y = self._record(cur[0], i)
+        self.tapes[i] = tape
+        return [y]
 
-    def _held(self, a: Restore | Free) -> tuple:
-        entry = self.slots.get((a.level, a.slot))
-        if entry is None:
-            raise _Misfit(f"slot {a.slot} (level {a.level}) is empty")
-        if entry[3] != a.index:
-            raise _Misfit(f"slot {a.slot} (level {a.level}) holds x_{entry[3]}, not "
-                          f"x_{a.index}")
-        return entry
-
-    def _restore(self, a: Restore) -> torch.Tensor:
-        data, version, rng, _ = self._held(a)
-        if data._version != version:
-            raise RuntimeError(f"sequential: the stored input of layer {a.index} was modified "
-                               "in place; a layer must not modify its input (return a new "
-                               "tensor)")
-        if rng is not None:
-            _set_rng(rng, self.cuda)
-        return data
-
-    def _run(self, cur, until_reverse: bool):
-        """Interpret actions, each checked against the state first (the index ``at`` of the
-        input held, the slots, the adjoint position ``adj``), as ``deepsolve.executor`` does;
-        a misfit raises a one-line :class:`ScheduleError` naming the action."""
-        n = self.n
-        at = self.at
-        k = self.pos
-        a = None
-        try:
-            for a in self.actions:
-                t = type(a)
-                if t is Advance:
-                    if a.start != at or not 0 <= a.start < a.stop <= n:
-                        raise _Misfit(f"it needs x_{a.start} and {a.start} < stop <= {n}; the "
-                                      f"executor holds {_holding(at)}")
-                    cur = self._advance(cur, a.start, a.stop)
-                    at = a.stop
-                elif t is Record:
-                    if a.start != at or not 0 <= a.start < a.stop <= self.adj_at:
-                        raise _Misfit(f"it needs x_{a.start} and {a.start} < stop <= "
-                                      f"{self.adj_at}; the executor holds {_holding(at)}")
-                    for i in range(a.start, a.stop):
-                        if i in self.tapes:
-                            raise _Misfit(f"layer {i} is already recorded")
-                        tape = self._record(cur, i)
-                        self.tapes[i] = tape[:3]
-                        cur = tape[3]
-                    at = a.stop
-                elif t is Reverse:
-                    i = a.index
-                    if i != self.adj_at - 1 or i < 0:
-                        raise _Misfit(f"the adjoint is at x_{self.adj_at}, so the next reverse "
-                                      f"step is Reverse({self.adj_at - 1})")
-                    if at != i and i not in self.tapes:
-                        raise _Misfit(f"reversing layer {i} needs x_{i} (or a Record of it) "
-                                      f"but the executor holds {_holding(at)}")
-                    if until_reverse:
-                        self.at, self.pos = at, k + 1
-                        return cur, a
-                    tape = self.tapes.pop(a.index, None)
-                    if tape is None:
-                        tape = self._record(cur, a.index)[:3]
-                    cur = None
-                    at = -1
-                    self.adj_at = i
-                    self._pull(tape, a.index)
-                    del tape  # the layer's graph and input go now, not at the next reverse
-                elif t is Store:
-                    if a.index != at or at < 0:
-                        raise _Misfit(f"stores x_{a.index} but the executor holds "
-                                      f"{_holding(at)}")
-                    self._store(cur, a)
-                elif t is Restore:
-                    cur = self._restore(a)
-                    at = a.index
-                elif t is Free:
-                    self._held(a)
-                    del self.slots[(a.level, a.slot)]
-                else:
-                    raise _Misfit("is not a schedule action")
-                k += 1
-        except _Misfit as e:
-            raise ScheduleError(f"sequential: action {k} ({a!r}) of the schedule does not fit: "
-                                f"{e}") from None
-        self.at, self.pos = at, k
-        return cur, None
+    def _reverse(self, cur: list | None, i: int) -> None:
+        tape = self.tapes.pop(i, None)
+        if tape is None:
+            tape = self._record(cur[0], i)[0]
+        self._pull(tape, i)
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
-        self.actions = iter(self.schedule)
-        cur, rev = self._run(x0.detach(), until_reverse=True)
-        if rev is None or rev.index != self.n - 1:  # pragma: no cover - hetero never does
-            raise RuntimeError("sequential: the schedule must reverse the last layer first")
+        cur, rev = self._to_first_reverse([x0.detach()], None)
         tape = self.tapes.pop(rev.index, None)
         if tape is None:
-            x_in, edge, ident, out = self._record(cur, rev.index)
-            tape = (x_in, edge, ident)
+            tape, out = self._record(cur[0], rev.index)
         else:  # pragma: no cover - the last layer is never kept recorded before its reverse
             out = None
-        self.pending = tape
+        self.at, self.adj = -1, rev.index
+        self.pending = (rev.index, tape)
         self.output = out
         if self.stats is not None:
             self.stats.forward_time = time.perf_counter() - t0
@@ -445,58 +353,29 @@ class _Chain:
         return out
 
     def backward(self, g: torch.Tensor | None):
-        if self.done:
-            raise RuntimeError("sequential: backward can run only once per call; call "
-                               "sequential again for a second backward pass")
-        if torch.is_grad_enabled():
-            raise RuntimeError("sequential: double backward (create_graph=True) is not "
-                               "supported; run the layers without a budget for higher-order "
-                               "derivatives")
-        self.done = True
-        t0 = time.perf_counter()
-        self.adj = g
-        self.grads: list[torch.Tensor | None] = [None] * len(self.params)
-        self.owned = [False] * len(self.params)
+        self.grad = g
+        self.grads = GradSum(len(self.params))
         self.route = _routes(self.params)
-        fork = torch.random.fork_rng(devices=self.cuda) if self.preserve_rng else None
-        try:
-            if fork is not None:
-                fork.__enter__()
-            with _Autocast(self.autocast):
-                self._pull_pending()
-                self._run(None, until_reverse=False)
-                if self.adj_at != 0:
-                    raise ScheduleError(f"sequential: the schedule ended with layers "
-                                        f"0..{self.adj_at - 1} never reversed")
-        finally:
-            if fork is not None:
-                fork.__exit__(None, None, None)
-            self.slots.clear()
-            self.tapes.clear()
+        self.reverse_sweep()
         if self.stats is not None:
-            self.stats.backward_time = time.perf_counter() - t0
+            self.stats.backward_time = self.backward_time
             self._fill()
-        return self.adj, self.grads
+        return self.grad, self.grads.grads
 
-    def _pull_pending(self) -> None:
-        tape, self.pending = self.pending, None
-        self.at, self.adj_at = -1, self.n - 1
-        self._pull(tape, self.n - 1)
-
-    def _pull(self, tape: tuple, i: int) -> None:
+    def _pull(self, tape: LayerTape, i: int) -> None:
         """adjoint_i = J_i^T adjoint_{i+1}; accumulate layer i's parameter gradients."""
         x_in, edge, ident = tape
-        g = self.adj
+        g = self.grad
         if ident:
             return  # the adjoint passes through unchanged
         idx = [k for k in self.lp[i] if self.route[k] != _SKIP]
         inputs = ([x_in] if x_in.requires_grad else []) + [self.params[k] for k in idx]
         if edge is None or g is None or not inputs:
-            self.adj = None
+            self.grad = None
             return
         res = torch.autograd.grad([edge], inputs, [g], allow_unused=True)
         it = iter(res)
-        self.adj = next(it) if x_in.requires_grad else None
+        self.grad = next(it) if x_in.requires_grad else None
         for k, gk in zip(idx, it, strict=True):
             if gk is None:
                 continue
@@ -506,13 +385,8 @@ class _Chain:
                     p.grad = gk
                 else:
                     p.grad.add_(gk)
-            elif self.grads[k] is None:
-                self.grads[k] = gk
-            elif self.owned[k]:
-                self.grads[k].add_(gk)
             else:
-                self.grads[k] = self.grads[k] + gk
-                self.owned[k] = True
+                self.grads.add(k, gk)
 
     def _fill(self) -> None:
         self.stats.advances = self.advances
@@ -749,11 +623,10 @@ def sequential(
             stats.recorded = n
         return _plain(layers, x)
     run = _Chain(layers, layer_params, all_params, _Listed(actions, n=n), preserve_rng,
-                 _devices([x, *all_params]), stats)
+                 cuda_devices([x, *all_params]), stats)
     try:
         run.forward(x)
     except BaseException:
-        run.slots.clear()
-        run.tapes.clear()
+        run.release()
         raise
     return _ChainFunction.apply(run, x, *all_params)

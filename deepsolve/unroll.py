@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .executor import HostStorage, UnrollStats, execute
+from .engine import HostStorage, UnrollStats, execute
 from .memory.offload import DiskStorage
 from .memory.planner import online_snapshots
 from .memory.planner import plan as make_plan

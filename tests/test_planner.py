@@ -158,7 +158,7 @@ def test_disk_level_exact_and_leaves_no_files(tmp_path):
     sched = _alternating_two_level(n)
     S.check(sched)
     disk = DiskStorage(tmp_path)
-    y = deepsolve.executor.execute(step, x0, sched, storage={1: disk})
+    y = deepsolve.engine.execute(step, x0, sched, storage={1: disk})
     assert os.listdir(tmp_path)  # the spill directory exists during the unroll
     g = torch.autograd.grad(y.sum(), [x0, *params])
     for a, b in zip(g, ref, strict=True):
@@ -179,11 +179,11 @@ def test_disk_level_cleaned_when_step_raises(tmp_path):
 
     disk = DiskStorage(tmp_path)
     with pytest.raises(RuntimeError, match="diverged"):
-        deepsolve.executor.execute(failing, x0, _alternating_two_level(12), storage={1: disk})
+        deepsolve.engine.execute(failing, x0, _alternating_two_level(12), storage={1: disk})
     assert os.listdir(tmp_path) == []
     calls["n"] = -1000  # forward succeeds, backward fails
     disk = DiskStorage(tmp_path)
-    y = deepsolve.executor.execute(failing, x0, _alternating_two_level(12), storage={1: disk})
+    y = deepsolve.engine.execute(failing, x0, _alternating_two_level(12), storage={1: disk})
     calls["n"] = 10**6
     with pytest.raises(RuntimeError, match="diverged"):
         y.sum().backward()

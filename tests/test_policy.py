@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import deepsolve
-from deepsolve import executor
+from deepsolve import engine
 from deepsolve import schedules as S
-from deepsolve.executor import POLICIES, execute, save_expensive
+from deepsolve.engine import POLICIES, execute, policies, save_expensive
 from deepsolve.memory import choose, predicted_peak, profile_step
 
 DT = torch.float64
@@ -72,13 +72,13 @@ def assert_exact_under(policy, schedule, reference):
     return leaves, stats
 
 
-@pytest.mark.parametrize("policy", ALL_POLICIES, ids=executor.policy_name)
+@pytest.mark.parametrize("policy", ALL_POLICIES, ids=policies.policy_name)
 @pytest.mark.parametrize("schedule", [S.store_all(N), S.revolve_tail(N, 3, 5), S.periodic(N),
                                       S.mixed(N, 6, tape_units=1), S.revolve(N, 3)],
                          ids=lambda s: s.kind)
 def test_gradients_equal_plain_autograd(policy, schedule, reference):
     leaves, stats = assert_exact_under(policy, schedule, reference)
-    assert stats.extra.get("policy", "none") == executor.policy_name(policy)
+    assert stats.extra.get("policy", "none") == policies.policy_name(policy)
     if schedule.kind != "store_all":  # parameter discovery runs through the policy's graph
         assert stats.extra["params"] == len(leaves) - 1
 
@@ -133,7 +133,7 @@ def test_default_path_never_checkpoints(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("checkpoint called without a policy")
 
-    monkeypatch.setattr(executor, "checkpoint", boom)
+    monkeypatch.setattr(policies, "checkpoint", boom)
     step, x0, leaves = make_step()
     for kw in (dict(snapshots=3), dict(schedule="store_all"), dict(policy="none"),
                dict(schedule=S.revolve_tail(N, 3, 5))):
@@ -232,7 +232,7 @@ def test_unroll_with_budget_and_policy_is_exact():
         assert plan.predicted_peak <= budget
         if plan.kind in ("store_all", "revolve_tail") and policy is not None:
             assert plan.policy is policy  # the caller's object reaches the executor
-            assert st.extra["policy"] == executor.policy_name(policy)
+            assert st.extra["policy"] == policies.policy_name(policy)
         elif plan.policy == "none":  # no kept tapes (revolve): no policy, no checkpoint
             assert "policy" not in st.extra
     # forced: a long tail of kept tapes, smaller under the policy
@@ -254,8 +254,8 @@ def test_saved_bytes_reads_the_same_tape_as_the_profiler():
     step, x0 = pointwise_heavy()
     x = x0.clone().requires_grad_()
     y = step(x, 0)
-    W = next(t for t in executor._graph_leaves([y], {}, 0, set()) if t is not x)
-    graph = executor.saved_bytes([y], (x, W))
+    W = next(t for t in engine.graph_leaves([y], {}, 0, set()) if t is not x)
+    graph = engine.saved_bytes([y], (x, W))
     hooks = profile_step(step, x0, repeats=1).tape_bytes
     assert hooks >= 4 * x0.numel() * 8  # h, sin h, cos h, exp(...)
     assert 0 <= graph - hooks <= 16  # the graph also shows the 0-dim scalar 0.01 it keeps

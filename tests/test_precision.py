@@ -154,7 +154,7 @@ def test_bf16_snapshots_online_and_two_level():
     ref = torch.autograd.grad(deepsolve.unroll(step, x0, n).pow(2).sum(), A)[0]
     y = deepsolve.unroll(step, x0, until=lambda x, i: i >= n, snapshots=4, snapshot_dtype=BF16)
     assert rel(torch.autograd.grad(y.pow(2).sum(), A)[0], ref) < 5e-3
-    y = deepsolve.executor.execute(step, x0, S.two_level(n, 3, 4, write_cost=1.0, read_cost=1.0),
+    y = deepsolve.engine.execute(step, x0, S.two_level(n, 3, 4, write_cost=1.0, read_cost=1.0),
                                    snapshot_dtype=BF16)
     assert rel(torch.autograd.grad(y.pow(2).sum(), A)[0], ref) < 5e-3
 

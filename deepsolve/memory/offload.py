@@ -22,7 +22,7 @@ import threading
 
 import torch
 
-from ..executor import HostStorage
+from ..engine import HostStorage
 
 __all__ = ["HostStorage", "DiskStorage", "remove_stale_spill_dirs"]
 

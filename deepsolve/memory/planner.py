@@ -174,7 +174,7 @@ class Plan:
 
 
 def _name(policy: Any) -> str:
-    from ..executor import policy_name
+    from ..engine import policy_name
 
     return policy_name(policy)
 
@@ -531,7 +531,7 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
 
     from torch.utils import _pytree as pytree
 
-    from ..executor import POLICIES, check_snapshot_dtype, policy_context, snapshot_nbytes
+    from ..engine import POLICIES, check_snapshot_dtype, policy_context, snapshot_nbytes
     from .budget import parse_budget
     from .profiling import profile_step
 
@@ -592,7 +592,7 @@ def measure_level(kind: str, leaves, spill_dir: str | None = None) -> SlowLevel:
 
     import torch
 
-    from ..executor import HostStorage
+    from ..engine import HostStorage
     from .budget import device_capacity
     from .offload import DiskStorage
 
@@ -636,7 +636,7 @@ def online_snapshots(step, state, budget: int | str, max_steps: int | None = Non
     Raises :class:`~deepsolve.BudgetError` when not even ``x_0`` and one step fit."""
     from torch.utils import _pytree as pytree
 
-    from ..executor import snapshot_nbytes
+    from ..engine import snapshot_nbytes
     from .budget import parse_budget
     from .profiling import profile_step
 

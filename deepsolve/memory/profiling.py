@@ -59,11 +59,11 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..executor import (
+from ..engine import (
     CompiledPolicy,
-    _graph_leaves,
-    _Recorder,
-    _Step,
+    Recorder,
+    Step,
+    graph_leaves,
     policy_context,
     policy_name,
     save_expensive,
@@ -230,7 +230,7 @@ def _fresh(x: list[torch.Tensor]) -> list[torch.Tensor]:
 def _roots_and_inputs(y, out, x_in, params):
     roots = [t for t in (*y, *out) if t.requires_grad]
     in_ids = {id(t) for t in x_in}
-    found = [p for p in (_graph_leaves(roots, {}, 0, set()) if params is None else list(params))
+    found = [p for p in (graph_leaves(roots, {}, 0, set()) if params is None else list(params))
              if id(p) not in in_ids]
     inputs = [t for t in x_in if t.requires_grad] + [p for p in found if p.requires_grad]
     return roots, found, inputs
@@ -442,8 +442,8 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
 
     compiled = None
     if isinstance(policy, CompiledPolicy):  # record as the executor does: the compiled step
-        compiled = _Step(step, spec, x, None)
-        recorder = _Recorder(context_fn, True, policy)
+        compiled = Step(step, spec, x, None)
+        recorder = Recorder(context_fn, True, policy)
         with torch.enable_grad():
             compiled.first(_fresh(x), 0)  # decides whether the step has outputs
             for i in (1, 0):  # compile; recompile with the step index dynamic, so that an

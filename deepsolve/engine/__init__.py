@@ -1,0 +1,55 @@
+"""The engine room: how a checkpoint schedule is run under autograd.
+
+One concept per module, each depending only on those listed before it:
+
+* :mod:`~deepsolve.engine.state` — states as pytrees of tensors, flattened to leaves; the
+  checked step wrapper :class:`Step`.
+* :mod:`~deepsolve.engine.graph` — autograd graph inspection: parameter discovery, the
+  per-recording check that nothing differentiable is missed, constant leaves, saved bytes.
+* :mod:`~deepsolve.engine.replay` — random-number and autocast replay (:class:`Replay`).
+* :mod:`~deepsolve.engine.policies` — recomputation policies inside a kept step.
+* :mod:`~deepsolve.engine.storage` — snapshot slots (:class:`Slot`) and storage levels
+  (:class:`Storage`, :class:`HostStorage`).
+* :mod:`~deepsolve.engine.interpreter` — the one action interpreter
+  (:class:`Interpreter`) that :func:`deepsolve.unroll` and :func:`deepsolve.sequential` drive.
+* :mod:`~deepsolve.engine.executor` — :func:`execute`, the unroll's autograd Function.
+
+The engine knows nothing of budgets or files (layer 2 of docs/design.md). Other packages
+import only the public names re-exported here.
+"""
+
+from .executor import Tape, UnrollRun, UnrollStats, execute
+from .graph import (
+    closure_leaves,
+    constant_leaves,
+    discover,
+    graph_leaves,
+    saved_bytes,
+    sequence_marker,
+    unseen_leaf,
+)
+from .interpreter import GradSum, Interpreter, Misfit, holding
+from .policies import (
+    EXPENSIVE_OPS,
+    POLICIES,
+    SAVE_FFT_OPS,
+    CompiledPolicy,
+    Recorder,
+    policy_context,
+    policy_name,
+    save_expensive,
+    save_fft,
+)
+from .replay import Autocast, Replay, autocast_state, cuda_devices, get_rng, set_rng
+from .state import Step, codec, flatten_state, is_diff, spec_str, unflatten
+from .storage import HostStorage, Slot, Storage, check_snapshot_dtype, snapshot_nbytes
+
+__all__ = [
+    "Autocast", "CompiledPolicy", "EXPENSIVE_OPS", "GradSum", "HostStorage", "Interpreter",
+    "Misfit", "POLICIES", "Recorder", "Replay", "SAVE_FFT_OPS", "Slot", "Step", "Storage",
+    "Tape", "UnrollRun", "UnrollStats", "autocast_state", "check_snapshot_dtype",
+    "closure_leaves", "codec", "constant_leaves", "cuda_devices", "discover", "execute",
+    "flatten_state", "get_rng", "graph_leaves", "holding", "is_diff", "policy_context",
+    "policy_name", "save_expensive", "save_fft", "saved_bytes", "sequence_marker",
+    "set_rng", "snapshot_nbytes", "spec_str", "unflatten", "unseen_leaf",
+]

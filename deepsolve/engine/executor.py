@@ -1,0 +1,572 @@
+"""The executor of :func:`deepsolve.unroll`: a checkpoint schedule as an autograd Function.
+
+``final = execute(step, x0, schedule)`` computes ``x_{i+1} = step(x_i, i)`` for ``i = 0 .. n-1``
+and returns ``x_n`` so that ``final`` (and per-step outputs) can be differentiated with
+respect to ``x0``, to the parameters of the modules the step uses and to tensors it closes
+over. Instead of keeping every step's activations (``n`` recorded steps), it follows a
+checkpoint schedule from :mod:`deepsolve.schedules`: the forward sweep keeps only the
+snapshots the schedule asks for, and the reverse sweep restores them, recomputes, records
+one step at a time and pulls the adjoint through it::
+
+    lambda_n = dL/dx_n,
+    lambda_i = J_i(x_i)^T lambda_{i+1} + (dL/dy_i)^T dy_i/dx_i,
+    dL/dtheta = sum_i (dx_{i+1}/dtheta)^T lambda_{i+1} + (dy_i/dtheta)^T dL/dy_i,
+
+each term from ``torch.autograd.grad`` on the recorded step ``i`` (``y_i`` are per-step
+outputs). Memory: ``s`` snapshots + one recorded step; time: ``t(n, s)`` unrecorded and ``n``
+recorded steps (Griewank & Walther, ACM TOMS 26(1), 2000). The gradients are those of plain
+backpropagation, bit for bit up to the order of floating-point summation of parameter
+gradients: recomputed steps replay the same RNG stream and autocast settings
+(:class:`~deepsolve.engine.replay.Replay`).
+
+:class:`UnrollRun` supplies the steps to the one action interpreter
+(:class:`~deepsolve.engine.interpreter.Interpreter`): unrecorded steps with per-step
+outputs, kept recordings (under a recomputation policy,
+:mod:`deepsolve.engine.policies`), the recorded reverse step, and the forward sweep of an
+unknown-length (online) unroll. It knows nothing of budgets or files.
+
+Trust: every action is checked against the interpreter's state before it runs, every state
+a step returns against the forward sweep's structure, shapes, dtypes and devices
+(:class:`~deepsolve.engine.state.Step`), every recorded step's graph against the tensors
+being differentiated (:func:`~deepsolve.engine.graph.unseen_leaf`), and state leaves returned
+as constants are checked to stay constants; each misfit is a one-line error.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..schedules import Schedule
+from ..schedules.actions import Free, Reverse, Store
+from ..schedules.check import ScheduleError
+from .graph import constant_leaves, discover, sequence_marker, unseen_leaf
+from .interpreter import GradSum, Interpreter, Misfit
+from .policies import CompiledPolicy, Recorder, policy_context, policy_name
+from .replay import Replay
+from .state import Step, flatten_state, is_diff, unflatten
+from .storage import check_snapshot_dtype
+
+__all__ = ["execute", "UnrollStats", "UnrollRun", "Tape"]
+
+
+@dataclass
+class UnrollStats:
+    """What one unroll did; pass an instance as ``unroll(..., stats=s)`` to have it filled.
+
+    The forward fields are set when ``unroll`` returns, the backward ones when the reverse
+    sweep has run.
+
+    Attributes:
+        n_steps: length of the chain.
+        schedule: ``repr`` of the schedule used.
+        advances: unrecorded step evaluations (forward sweep and recomputation).
+        recorded: recorded step evaluations (each step once).
+        snapshots_peak: most snapshots held at once, over all storage levels (the initial
+            state included).
+        snapshot_bytes_peak: most device-memory (level 0) snapshot bytes held at once, the
+            caller's initial state excluded.
+        state_bytes: bytes of one state.
+        forward_time, backward_time: wall time of the two sweeps [s].
+        extra: further facts: ``"params"`` (number of tensors differentiated), ``"policy"``
+            (the recomputation policy of kept tapes, when one is set), ``"snapshot_dtype"``
+            (when snapshots are stored in a smaller dtype), ``"plan"`` (with ``budget=``),
+            ``"online_snapshots"`` (with ``until=`` and ``budget=``).
+    """
+
+    n_steps: int = 0
+    schedule: str = ""
+    advances: int = 0
+    recorded: int = 0
+    snapshots_peak: int = 0
+    snapshot_bytes_peak: int = 0
+    state_bytes: int = 0
+    forward_time: float = 0.0
+    backward_time: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Tape(NamedTuple):
+    """One recorded step: its detached inputs ``x_in`` (leaves that are differentiated
+    require grad), the next state ``y`` and the outputs ``out``, with their graph."""
+
+    x_in: list[torch.Tensor]
+    y: list[torch.Tensor]
+    out: Sequence[torch.Tensor]
+
+
+class UnrollRun(Interpreter):
+    """One unroll: the forward sweep in ``forward`` (or ``forward_online``), the reverse
+    sweep in ``backward``; the action loop is :class:`Interpreter`'s."""
+
+    who = "unroll"
+    unit = "step"
+
+    def __init__(self, step: Step, schedule: Schedule, n_steps: int, n_state: int,
+                 replay: Replay, stats: UnrollStats | None, storage: dict | None = None,
+                 recorder: Recorder | None = None, snapshot_dtype: torch.dtype | None = None,
+                 x0: Sequence[torch.Tensor] = ()):
+        # x0: the caller's initial leaves (which require grad decides the constants)
+        state_bytes = stats.state_bytes if stats is not None else 0
+        # snapshots (x_0 excepted) of floating leaves stored as snapshot_dtype: inexact
+        lower = None
+        if snapshot_dtype is not None:
+            lower = [snapshot_dtype if dt.is_floating_point and dt != snapshot_dtype else None
+                     for _, dt, _ in step.meta]
+            if all(d is None for d in lower):
+                lower = None
+        slot_bytes = state_bytes
+        if lower is not None:
+            slot_bytes = sum(torch.Size(shape).numel() * (d or dt).itemsize
+                             for (shape, dt, _), d in zip(step.meta, lower, strict=True))
+        super().__init__(schedule, n_steps, replay, storage, step.meta, lower, slot_bytes)
+        self.step = step
+        self.params: list[torch.Tensor] = []
+        self.n_state = n_state
+        self.stats = stats
+        self.state_bytes = state_bytes
+        self.recorder = recorder  # None: kept tapes are plain autograd graphs
+        # which leaves of a recorded step's input require grad; leaves of x_0 that do not
+        # require grad are candidates for constants (found at the first recording)
+        self.rg = [is_diff(t) for t in x0]
+        self.candidates = tuple(k for k, t in enumerate(x0)
+                                if is_diff(t) and not t.requires_grad)
+        self.const: tuple[int, ...] = ()  # leaves that stay constants (requires_grad=False)
+        self.const_from = -1  # the step whose recording found them
+        # the backward's check of every recorded step's graph (set once params are known)
+        self.known: set[int] | None = None
+        self.stop: dict = {}
+        self.marker = 0
+        self.frontier = 0  # outputs of steps < frontier are in the stacked outputs
+
+    def _new_snapshot_peak(self) -> None:
+        if self.stats is not None:
+            self.stats.snapshot_bytes_peak = self.snap_bytes
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _advance(self, cur: list[torch.Tensor], a: int, b: int, outs) -> list[torch.Tensor]:
+        step = self.step
+        lo = a
+        with torch.no_grad():
+            if a == 0 and self.frontier == 0:  # the very first call: infer outputs, check
+                cur, out = step.first(cur, 0)
+                self._put(outs, 0, out)
+                lo = 1
+            if outs is not None and b > self.frontier:  # the first sweep: keep outputs
+                for i in range(lo, b):
+                    cur, out = step(cur, i)
+                    step.fast_check(cur, i)
+                    if i >= self.frontier:
+                        self._put(outs, i, out)
+            elif step._single:  # recomputation of a one-tensor state: the check inlined
+                dtype, shape = step._dtype0, step._shape0
+                for i in range(lo, b):
+                    cur, _ = step(cur, i)
+                    t = cur[0]
+                    try:
+                        if t.dtype is dtype and t.shape == shape:
+                            continue
+                    except AttributeError:  # not a tensor
+                        pass
+                    step.check_leaves(cur, i)
+            else:
+                check = step.fast_check
+                for i in range(lo, b):
+                    cur, _ = step(cur, i)
+                    check(cur, i)
+        self.advances += b - a
+        return cur
+
+    def _put(self, outs, i, out):
+        if i < self.frontier:
+            return
+        self.frontier = i + 1
+        if not outs and out:
+            outs.extend(torch.empty((self.n, *o.shape), dtype=o.dtype, device=o.device)
+                        for o in out)
+        for buf, o in zip(outs, out, strict=True):
+            buf[i].copy_(o.detach())
+
+    def _record(self, cur: list[torch.Tensor], i: int, keep: bool = False):
+        """Run step ``i`` with grad from detached inputs; returns the tape (x_in, y, out).
+        A tape that is kept for a later ``Reverse`` (``keep``) is recorded under the policy.
+
+        Checks what the step returned (structure, shapes, dtypes, devices, outputs); at the
+        first recording finds the state leaves that stay constants (:func:`constant_leaves`),
+        at later ones checks that they did; in the reverse sweep checks that the graph
+        reaches no tensor requiring grad beyond the differentiated ones."""
+        x_in = [t.detach().requires_grad_(r) for t, r in zip(cur, self.rg, strict=True)]
+        first = i == 0 and self.frontier == 0
+        fn = self.step.first if first else self.step
+        try:
+            with torch.enable_grad():
+                if keep and self.recorder is not None:
+                    y, out = self.recorder(fn, x_in, i)
+                else:
+                    y, out = fn(x_in, i)
+        except RuntimeError as e:
+            if "in-place" not in str(e):
+                raise
+            raise RuntimeError(f"unroll: step {i} modified its input state in place ({e}); "
+                               "a step must return new tensors") from e
+        step = self.step
+        if not first:
+            step.recorded_check(y, out, i)
+        if self.candidates:  # the first recording: which leaves stay constants
+            const = constant_leaves(x_in, y, self.candidates, self.marker)
+            if len(const) == sum(self.rg):  # not all: see constant_leaves
+                const = ()
+            self.const = const
+            self.const_from = i
+            self.candidates = ()
+            for k in self.const:
+                self.rg[k] = False
+        elif self.const:
+            for k in self.const:
+                if y[k].requires_grad:
+                    raise ValueError(
+                        f"unroll: step {i} made state leaf {k} depend on a tensor that requires "
+                        f"grad, but that leaf of x_0 does not require grad and step "
+                        f"{self.const_from}'s recording kept it constant, so the "
+                        "unroll returned it with requires_grad=False; make that leaf of x_0 "
+                        "require grad (x0_leaf.requires_grad_()) or use schedule='store_all'"
+                    )
+        if self.known is not None:
+            what = unseen_leaf(y, out, self.known, x_in, self.stop, self.marker)
+            if what is not None:
+                raise ValueError(
+                    f"unroll: step {i} uses {what} that requires grad but was not found when "
+                    "the unroll started (from the step's closure, its module and the steps "
+                    "the forward sweep recorded), so its gradient would be lost; pass it "
+                    "with params=[...]"
+                )
+        return Tape(x_in, y, out)
+
+    def forward(self, x0: list[torch.Tensor]):
+        t0 = time.perf_counter()
+        self.marker = sequence_marker()  # graph nodes older than this are the caller's
+        self.frontier = 0
+        outs: list[torch.Tensor] = []
+        cur, rev = self._to_first_reverse([t.detach() for t in x0], outs)
+        if rev.index in self.tapes:
+            tape = self.tapes.pop(rev.index)
+        else:
+            tape = self._record(cur, rev.index)
+            self.recorded += 1
+            self._put(outs, rev.index, [o.detach() for o in tape.out])
+        self.at = -1
+        self.adj = rev.index
+        self.pending = (rev.index, tape)
+        self.final = [y.detach() for y in tape.y]
+        self.outs = outs
+        if self.stats is not None:
+            self.stats.forward_time = time.perf_counter() - t0
+            self._fill_stats()
+        return tape
+
+    def forward_online(self, x0: list[torch.Tensor], ctl, stop, max_steps: int | None):
+        """The forward sweep of an unknown-length unroll: step until ``stop(x_i, i)``, letting
+        the online controller store and free snapshots; then plan the reverse sweep
+        (``ctl.finish(n)``) and record step ``n - 1`` from the held ``x_{n-1}``."""
+        t0 = time.perf_counter()
+        self.marker = sequence_marker()
+        step, spec = self.step, self.step.spec
+        cur = [t.detach() for t in x0]
+        outs: list = []
+        i = 0
+        rng = None
+        with torch.no_grad():
+            while True:
+                for a in ctl.at(i):
+                    try:
+                        if type(a) is Store:
+                            if a.index != i:
+                                raise Misfit(f"stores x_{a.index} but the executor holds x_{i}")
+                            self._store(cur, a)
+                        elif type(a) is Free:
+                            self._free(a)
+                        else:
+                            raise Misfit("is neither a Store nor a Free")
+                    except Misfit as e:
+                        raise ScheduleError(f"unroll: online controller action {a!r} at step "
+                                            f"{i} does not fit: {e}") from None
+                rng = self.replay.capture()
+                if i == 0:
+                    nxt, out = step.first(cur, 0)
+                else:
+                    nxt, out = step(cur, i)
+                    step.fast_check(nxt, i)
+                if out:
+                    outs.append([o.detach() for o in out])
+                i += 1
+                if stop(unflatten(nxt, spec), i):
+                    break
+                if max_steps is not None and i >= max_steps:
+                    raise RuntimeError(
+                        f"unroll: the stop condition was not met within max_steps={max_steps} "
+                        "steps; raise max_steps or check the condition"
+                    )
+                cur = nxt
+        self.advances += i
+        n = self.n = self.frontier = i
+        self.actions = iter(ctl.finish(n))
+        first = next(self.actions)
+        if type(first) is not Reverse or first.index != n - 1:  # pragma: no cover
+            raise RuntimeError(f"unroll: online schedule must start with Reverse({n - 1})")
+        self.replay.restore(rng)  # replay step n-1's random numbers
+        tape = self._record(cur, n - 1)
+        self.recorded += 1
+        self.at, self.adj, self.pos = -1, n - 1, 1
+        self.pending = (n - 1, tape)
+        self.final = [y.detach() for y in tape.y]
+        self.outs = [torch.stack(col) for col in zip(*outs, strict=True)] if outs else []
+        if self.stats is not None:
+            self.stats.n_steps = n
+            self.stats.forward_time = time.perf_counter() - t0
+            self._fill_stats()
+        return tape
+
+    def backward(self, g_final: Sequence, g_outs: Sequence):
+        """The reverse sweep (:meth:`Interpreter.reverse_sweep`) from the adjoints of the
+        final state and of the stacked outputs; returns ``(dL/dx_0, dL/dparams)``."""
+        self.g_outs = g_outs
+        self.grad = list(g_final)
+        self.pgrads = GradSum(len(self.params))
+        self.reverse_sweep()
+        if self.stats is not None:
+            self.stats.backward_time = self.backward_time
+            self._fill_stats()
+        return self.grad, self.pgrads.grads
+
+    def _keep(self, cur: list[torch.Tensor], i: int, outs) -> list[torch.Tensor]:
+        tape = self._record(cur, i, True)
+        self.tapes[i] = tape
+        self.recorded += 1
+        if outs is not None:
+            self._put(outs, i, [o.detach() for o in tape.out])
+        return [y.detach() for y in tape.y]
+
+    def _reverse(self, cur, i: int):
+        tape = self.tapes.pop(i, None)
+        if tape is None:
+            tape = self._record(cur, i)
+            self.recorded += 1
+        self._pull(tape, i)
+
+    def _pull(self, tape, i: int):
+        """adjoint_i = J_i^T adjoint_{i+1} (+ output terms); accumulate parameter grads."""
+        x_in, y, out = tape
+        roots, seeds = [], []
+        for t, g in zip(y, self.grad, strict=True):
+            if g is not None and t.requires_grad:
+                roots.append(t)
+                seeds.append(g)
+        for k, o in enumerate(out):
+            g = self.g_outs[k] if k < len(self.g_outs) else None
+            if g is not None and o.requires_grad:
+                roots.append(o)
+                seeds.append(g[i])
+        inputs = [t for t in x_in if t.requires_grad] + self.params
+        if not roots or not inputs:
+            self.grad = [None] * self.n_state
+            return
+        grads = torch.autograd.grad(roots, inputs, seeds, allow_unused=True)
+        it = iter(grads)
+        self.grad = [next(it) if t.requires_grad else None for t in x_in]
+        add = self.pgrads.add
+        for k, g in enumerate(it):
+            if g is not None:
+                add(k, g)
+
+    def _fill_stats(self):
+        s = self.stats
+        s.advances = self.advances
+        s.recorded = self.recorded
+        s.snapshots_peak = self.peak_slots
+        s.snapshot_bytes_peak = self.peak_snap_bytes
+
+
+
+class _UnrollFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ex: UnrollRun, *inputs):
+        ctx.ex = ex
+        ctx.set_materialize_grads(False)
+        ctx.n_final = len(ex.final)
+        if ex.const:  # state leaves that depend on nothing requiring grad
+            ctx.mark_non_differentiable(*[ex.final[k] for k in ex.const])
+        return (*ex.final, *ex.outs)  # computed by ex.forward before apply
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ex: UnrollRun = ctx.ex
+        adj, pgrads = ex.backward(grads[:ctx.n_final], grads[ctx.n_final:])
+        return (None, *adj, *pgrads)
+
+
+def execute(
+    step: Callable[[Any, int], Any],
+    state: Any,
+    schedule: Schedule | Any,
+    *,
+    params: Sequence[torch.Tensor] | None = None,
+    has_output: bool | None = None,
+    preserve_rng: bool = True,
+    stats: UnrollStats | None = None,
+    storage: dict[int, Any] | None = None,
+    until: Callable[[Any, int], bool] | None = None,
+    max_steps: int | None = None,
+    policy: Any = None,
+    snapshot_dtype: torch.dtype | None = None,
+) -> Any:
+    """Run ``schedule.n_steps`` steps of ``step`` from ``state`` following ``schedule``.
+
+    The executor behind :func:`deepsolve.unroll` (which documents the arguments); it knows
+    nothing of budgets or files. ``schedule`` is any :class:`~deepsolve.schedules.Schedule`.
+    ``storage`` maps a storage level >= 1 to a backend with ``put(key, tensors)``,
+    ``get(key, meta)``, ``drop(key)`` and ``close()`` (default: :class:`HostStorage`); the
+    executor closes every backend when the reverse sweep ends, when the forward sweep fails,
+    and when the unroll's graph is freed without a backward.
+
+    With ``until=stop`` the length is unknown: ``schedule`` is an online schedule
+    (:func:`deepsolve.schedules.online`) or ``None`` (keep every step recorded), and the
+    unroll runs until ``stop(x_i, i)`` is true (at most ``max_steps`` steps).
+
+    ``policy`` (see :data:`POLICIES` and :func:`policy_context`) records every kept tape —
+    ``Record`` ranges, and each step of a store-all unroll — under selective activation
+    checkpointing; ``None``/``"none"`` costs nothing extra. ``snapshot_dtype`` stores the
+    snapshots other than ``x_0`` with their floating leaves cast to that dtype (inexact).
+    """
+    context_fn = policy_context(policy)
+    recorder = None if context_fn is None else Recorder(
+        context_fn, preserve_rng, policy if isinstance(policy, CompiledPolicy) else None)
+    snapshot_dtype = check_snapshot_dtype(snapshot_dtype)
+    x0, spec = flatten_state(state)
+    if torch.is_grad_enabled():
+        for k, t in enumerate(x0):
+            if t.is_inference():
+                raise ValueError(
+                    f"unroll: state leaf {k} of x0 is an inference tensor (made under "
+                    "torch.inference_mode()), which autograd cannot record; make x0 outside "
+                    "inference_mode, or pass a copy made outside it (x0.clone()), or run the "
+                    "unroll under torch.inference_mode() / torch.no_grad() as well")
+    sched = schedule
+    fn = Step(step, spec, x0, has_output)
+    state_bytes = sum(t.numel() * t.element_size() for t in x0)
+    if stats is not None:
+        stats.schedule = repr(sched)
+        stats.state_bytes = state_bytes
+        if recorder is not None:
+            stats.extra["policy"] = policy_name(policy)
+        if snapshot_dtype is not None:
+            stats.extra["snapshot_dtype"] = str(snapshot_dtype)
+    if until is not None:
+        with torch.no_grad():
+            if until(state, 0):
+                if stats is not None:
+                    stats.n_steps = 0
+                return state
+        n_steps = -1  # unknown
+    else:
+        n_steps = schedule.n_steps
+        if stats is not None:
+            stats.n_steps = n_steps
+        if n_steps == 0:
+            return state
+    explicit = list(params or [])
+    for k, p in enumerate(explicit):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"unroll: params[{k}] is a {type(p).__name__}, not a tensor")
+
+    grad_on = torch.is_grad_enabled()
+    if not grad_on or sched is None or sched.kind == "store_all":
+        return _plain_loop(fn, x0, n_steps, spec, grad_on, stats, until, max_steps,
+                           recorder if grad_on else None)
+
+    ex = UnrollRun(fn, sched, n_steps, len(x0), Replay.of(x0 + explicit, preserve_rng), stats,
+                   storage, recorder, snapshot_dtype, x0)
+    try:
+        if until is not None:
+            tape = ex.forward_online(x0, sched.start(), until, max_steps)
+        else:
+            tape = ex.forward(x0)
+        tapes = [tape, *ex.tapes.values()]  # every step the forward sweep recorded
+        params, stop = discover(step, tapes, explicit, ex.marker)
+    except BaseException:
+        ex.release()
+        raise
+    weakref.finalize(ex, _close_all, list(ex.storage.values()))
+    params = [p for p in params if p.requires_grad]
+    if not params and not any(t.requires_grad for t in x0):  # nothing to differentiate
+        res = (*ex.final, *ex.outs)
+        ex.release()
+    else:
+        ex.params = params
+        ex.known = {id(p) for p in params} | {id(p) for p in explicit}
+        ex.stop = stop
+        if stats is not None:
+            stats.extra["params"] = len(params)
+        res = _UnrollFunction.apply(ex, *x0, *params)
+    final = unflatten(res[:len(x0)], spec)
+    if not fn.has_output:
+        return final
+    return final, pytree.tree_unflatten(list(res[len(x0):]), fn.out_spec)
+
+
+def _close_all(backends) -> None:
+    for b in backends:
+        b.close()
+
+
+
+def _plain_loop(fn: Step, x0: list[torch.Tensor], n: int, spec, grad_on: bool,
+                stats: UnrollStats | None, until=None, max_steps: int | None = None,
+                recorder: Recorder | None = None):
+    """The plain loop: under no_grad, or store_all (autograd keeps the whole graph, each
+    step's part under the policy's ``recorder`` if one is given); with ``until``, until
+    ``until(x_i, i)`` holds."""
+    t0 = time.perf_counter()
+    cur = x0
+    outs = []
+    i = 0
+    while until is not None or i < n:
+        if recorder is not None:
+            cur, out = recorder(fn.first if i == 0 else fn, cur, i)
+            if i:
+                fn.fast_check(cur, i)
+        elif i == 0:
+            cur, out = fn.first(cur, 0)
+        else:
+            cur, out = fn(cur, i)
+            fn.fast_check(cur, i)
+        if fn.has_output:
+            outs.append(out)
+        i += 1
+        if until is not None:
+            with torch.no_grad():
+                if until(unflatten(cur, spec), i):
+                    break
+            if max_steps is not None and i >= max_steps:
+                raise RuntimeError(
+                    f"unroll: the stop condition was not met within max_steps={max_steps} "
+                    "steps; raise max_steps or check the condition")
+    n = i
+    if stats is not None:
+        stats.n_steps = n
+        stats.forward_time = time.perf_counter() - t0
+        if grad_on:
+            stats.recorded = n
+        else:
+            stats.advances = n
+    final = unflatten(cur, spec)
+    if not fn.has_output:
+        return final
+    stacked = [torch.stack(col) for col in zip(*outs, strict=True)] if outs else []
+    return final, pytree.tree_unflatten(stacked, fn.out_spec)
