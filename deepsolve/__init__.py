@@ -6,6 +6,10 @@ Public surface:
   and exact gradients (:class:`UnrollStats` reports what it did);
 * :func:`fixed_point` — equilibrium solvers (Picard, Anderson, Broyden) with implicit,
   unrolled (checkpointed) or phantom backward;
+* checkpoint strategies — :class:`Revolve`, :class:`StoreAll`, :class:`Periodic`,
+  :class:`Online`, :class:`TwoLevel`, :class:`RevolveTail`, :class:`Mixed` and
+  :class:`Budget`: ``unroll(..., schedule=Revolve(20))``; each builds its schedule for any
+  length, predicts its peak and time, and names itself;
 * :func:`plan` — profile a step and pick the fastest schedule under a memory budget
   (:class:`Plan`, :class:`BudgetError`);
 * :func:`sequential` — a chain of layers with different costs and shapes, checkpointed
@@ -21,6 +25,17 @@ from .engine import CompiledPolicy
 from .fixed_point import FixedPointError, FixedPointStats, FixedPointWarning, fixed_point
 from .gradcheck import check_gradients
 from .memory import BudgetError, Plan, plan
+from .memory.strategies import (
+    Budget,
+    Mixed,
+    Online,
+    Periodic,
+    Revolve,
+    RevolveTail,
+    StoreAll,
+    Strategy,
+    TwoLevel,
+)
 from .problem import Context, Problem
 from .sequential import SequentialStats, sequential
 from .unroll import UnrollStats, unroll
@@ -29,6 +44,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "schedules", "unroll", "UnrollStats", "CompiledPolicy", "plan", "Plan", "BudgetError",
+    "Strategy", "StoreAll", "Revolve", "Periodic", "Online", "TwoLevel", "RevolveTail", "Mixed",
+    "Budget",
     "Problem", "Context",
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
     "sequential", "SequentialStats",

@@ -11,40 +11,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .engine import HostStorage, UnrollStats, execute
+from .memory import BudgetError, device_capacity, format_bytes
 from .memory.offload import DiskStorage
 from .memory.planner import online_snapshots
 from .memory.planner import plan as make_plan
-from .schedules import Online, Schedule, online, periodic, revolve, store_all
+from .memory.profiling import profile_step
+from .memory.strategies import Budget, Online, StoreAll, Strategy, as_strategy
+from .schedules import Schedule, online, store_all
 
 __all__ = ["unroll", "UnrollStats"]
-
-
-def _resolve_schedule(schedule, snapshots, n_steps: int) -> Schedule:
-    if schedule is not None and snapshots is not None and not isinstance(schedule, str):
-        raise ValueError("unroll: give either snapshots= or a schedule object, not both")
-    if isinstance(schedule, Schedule):
-        if schedule.n_steps != n_steps:
-            raise ValueError(f"unroll: the schedule is for {schedule.n_steps} steps but "
-                             f"n_steps={n_steps}")
-        return schedule
-    if schedule is None:
-        return revolve(n_steps, snapshots) if snapshots is not None else store_all(n_steps)
-    if schedule == "revolve":
-        if snapshots is None:
-            raise ValueError("unroll: schedule='revolve' needs snapshots=S (S >= 1, the "
-                             "initial state included)")
-        return revolve(n_steps, snapshots)
-    if schedule == "store_all":
-        return store_all(n_steps)
-    if schedule == "periodic":
-        if snapshots is not None:
-            every = max(1, -(-n_steps // snapshots))
-            return periodic(n_steps, every)
-        return periodic(n_steps)
-    raise ValueError(f"unroll: unknown schedule {schedule!r}; use 'revolve', 'store_all', "
-                     "'periodic' or a schedule object from deepsolve.schedules")
 
 
 def unroll(
@@ -55,8 +33,8 @@ def unroll(
     until: Callable[[Any, int], bool] | None = None,
     max_steps: int | None = None,
     snapshots: int | None = None,
-    schedule: str | Schedule | None = None,
-    budget: int | str | None = None,
+    schedule: str | Strategy | Schedule | None = None,
+    budget: int | str | Budget | None = None,
     offload: str | None = None,
     spill_dir: str | None = None,
     params: Sequence[torch.Tensor] | None = None,
@@ -144,25 +122,24 @@ def unroll(
         raise ValueError("unroll: give n_steps, or until=stop for an unroll of unknown length")
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
         raise ValueError(f"unroll: n_steps must be an integer >= 0, got {n_steps!r}")
+    how = as_strategy(schedule, snapshots, budget, offload, spill_dir)
     storage = None
-    if budget is not None:
-        if snapshots is not None or schedule is not None:
-            raise ValueError("unroll: give budget= or snapshots=/schedule=, not both")
+    if isinstance(how, Budget):
         if n_steps == 0 or not torch.is_grad_enabled():
             sched = store_all(n_steps)
         else:
-            p = make_plan(step, state, n_steps, budget=budget, params=params, offload=offload,
-                          spill_dir=spill_dir, policy=policy, snapshot_dtype=snapshot_dtype)
+            p = make_plan(step, state, n_steps, budget=how.budget, params=params,
+                          offload=how.offload, spill_dir=how.spill_dir, policy=policy,
+                          snapshot_dtype=snapshot_dtype)
             sched = p.schedule
             policy = p.policy
             if p.kind == "two_level":
-                storage = {1: HostStorage() if offload == "host" else DiskStorage(spill_dir)}
+                storage = {1: HostStorage() if how.offload == "host"
+                           else DiskStorage(how.spill_dir)}
             if stats is not None:
                 stats.extra["plan"] = p
-    elif offload is not None:
-        raise ValueError("unroll: offload= works with budget=, which lets the planner weigh it")
     else:
-        sched = _resolve_schedule(schedule, snapshots, n_steps)
+        sched = _schedule_of(how, n_steps)
         if sched.kind == "store_all" and n_steps >= _CHECK_STORE_ALL_FROM and \
                 torch.is_grad_enabled():
             _check_store_all_fits(step, state, n_steps, params)
@@ -174,19 +151,25 @@ def unroll(
 _CHECK_STORE_ALL_FROM = 10_000  # steps; the profile costs a few step evaluations (cached)
 
 
+def _schedule_of(how: Strategy | Schedule, n_steps: int) -> Schedule:
+    """The schedule a strategy builds for ``n_steps`` steps, or a schedule object checked
+    against ``n_steps``."""
+    if isinstance(how, Strategy):
+        return how.build(n_steps)
+    if how.n_steps != n_steps:
+        raise ValueError(f"unroll: the schedule is for {how.n_steps} steps but "
+                         f"n_steps={n_steps}")
+    return how
+
+
 def _check_store_all_fits(step, state, n_steps: int, params) -> None:
     """A long store-all unroll (plain backpropagation keeps every step) whose predicted
     peak exceeds the device's available memory is refused before it starts, not killed
     by the system halfway through."""
-    from torch.utils import _pytree as pytree
-
-    from .memory import BudgetError, device_capacity, format_bytes, predicted_peak
-    from .memory.profiling import profile_step
-
     leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
     if not leaves:
         return
-    need = predicted_peak(profile_step(step, state, params=params), n_steps, "store_all")
+    need = StoreAll().predicted_peak(profile_step(step, state, params=params), n_steps)
     have = device_capacity(leaves[0].device)
     if need > have:
         raise BudgetError(
@@ -206,19 +189,17 @@ def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, pa
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
                                   or max_steps < 1):
         raise ValueError(f"unroll: max_steps must be an integer >= 1, got {max_steps!r}")
-    if schedule is not None and not isinstance(schedule, Online):
-        raise ValueError("unroll: with until= the schedule is online; give snapshots= or "
-                         "budget= (or an online(...) schedule object)")
-    if budget is not None and (snapshots is not None or schedule is not None):
-        raise ValueError("unroll: give budget= or snapshots=/schedule=, not both")
-    sched = schedule
-    if snapshots is not None:
-        sched = online(snapshots)
-    elif budget is not None and torch.is_grad_enabled():
-        sched = online(online_snapshots(step, state, budget, max_steps, params,
-                                        snapshot_dtype))
-        if stats is not None:
-            stats.extra["online_snapshots"] = sched.snapshots
+    how = as_strategy(schedule, snapshots, budget, None, None, online=True)
+    sched = how
+    if isinstance(how, Online):
+        sched = how.build()
+    elif isinstance(how, Budget):
+        sched = None
+        if torch.is_grad_enabled():
+            sched = online(online_snapshots(step, state, how.budget, max_steps, params,
+                                            snapshot_dtype))
+            if stats is not None:
+                stats.extra["online_snapshots"] = sched.snapshots
     return execute(step, state, sched, params=params, has_output=has_output,
                    preserve_rng=preserve_rng, stats=stats, until=until, max_steps=max_steps,
                    policy=policy, snapshot_dtype=snapshot_dtype)

@@ -47,27 +47,31 @@ changes something: one that keeps nothing on this step (``"save_fft"`` without F
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
-from ..schedules import (
-    Schedule,
-    mixed,
-    mixed_cost,
-    optimal_cost,
-    revolve,
-    revolve_tail,
-    revolve_tail_cost,
-    store_all,
-    two_level,
-    two_level_cost,
+from ..engine import (
+    POLICIES,
+    HostStorage,
+    check_snapshot_dtype,
+    policy_context,
+    policy_name,
+    snapshot_nbytes,
 )
+from ..schedules import Schedule, mixed_cost, revolve_tail_cost
 from .allocator import return_freed_memory
-from .budget import BudgetError, format_bytes
-from .profiling import StepProfile
+from .budget import BudgetError, device_capacity, format_bytes, parse_budget
+from .offload import DiskStorage
+from .profiling import StepProfile, profile_step
+from .strategies import Mixed, Revolve, RevolveTail, StoreAll, Strategy, TwoLevel, strategy_for
 
 __all__ = ["Plan", "Alternative", "SlowLevel", "plan", "choose", "predicted_peak",
            "peak_terms", "weighed_policies", "measure_level", "online_snapshots"]
@@ -126,6 +130,7 @@ class Plan:
     policies: list[StepProfile] = field(default_factory=list)
     snapshot_dtype: Any = None
     terms: dict[str, int] = field(default_factory=dict)
+    strategy: Strategy | None = None
 
     def explain(self) -> str:
         """A short table of the alternatives weighed, the chosen plan's peak term by term,
@@ -166,21 +171,12 @@ class Plan:
     def describe(self) -> str:
         if self.label:
             return self.label
-        if self.kind == "store_all":
-            return "store_all" + _tag(_name(self.policy))
-        if self.kind == "revolve":
-            return f"revolve(s={self.snapshots})"
+        if self.strategy is not None:
+            return self.strategy.describe()
         return repr(self.schedule)
 
 
-def _name(policy: Any) -> str:
-    from ..engine import policy_name
-
-    return policy_name(policy)
-
-
-def _tag(policy: str) -> str:
-    return "" if policy == "none" else f" [{policy}]"
+_name = policy_name
 
 
 def peak_terms(profile: StepProfile, n_steps: int, kind: str, slots: Any = 0) -> dict[str, int]:
@@ -189,39 +185,7 @@ def peak_terms(profile: StepProfile, n_steps: int, kind: str, slots: Any = 0) ->
     ``s`` (revolve, two-level), ``(s, m)`` (revolve_tail), units ``u`` (mixed). For a
     profile measured under a policy, ``store_all`` and ``revolve_tail`` keep their tapes
     under it."""
-    p, n = profile, n_steps
-    S = p.state_bytes
-    terms: dict[str, int] = {}
-    if kind == "store_all":
-        terms["kept tapes"] = max(n - 1, 0) * p.chain_bytes
-        terms["working set of the step"] = p.reverse_bytes
-        terms["adjoints and states"] = S
-    elif kind in ("revolve", "two_level", "mixed"):
-        if kind == "mixed":
-            terms["snapshots and kept tapes"] = slots * S
-        else:
-            terms["snapshots"] = max(slots - 1, 0) * p.slot_bytes
-        terms["working set of the step"] = p.step_bytes
-        terms["adjoints and states"] = 4 * S
-    elif kind == "revolve_tail":
-        s, m = slots
-        snaps = max(s - 1, 0) * p.slot_bytes
-        tail = m * p.kept_bytes + max(p.reverse_bytes - p.kept_bytes, 0) + 3 * S
-        head = p.step_bytes + 4 * S
-        terms["snapshots"] = snaps
-        if tail >= head:
-            terms["kept tapes"] = m * p.kept_bytes
-            terms["working set of the step"] = max(p.reverse_bytes - p.kept_bytes, 0)
-            terms["adjoints and states"] = 3 * S
-        else:  # the revolve part after the tail is the larger
-            terms["kept tapes"] = 0
-            terms["working set of the step"] = p.step_bytes
-            terms["adjoints and states"] = 4 * S
-    else:
-        raise ValueError(f"unknown schedule kind {kind!r}")
-    terms["parameter gradients"] = 2 * p.grad_bytes
-    terms["stacked outputs"] = 2 * n * p.output_bytes
-    return terms
+    return strategy_for(kind, slots).peak_terms(profile, n_steps)
 
 
 def predicted_peak(profile: StepProfile, n_steps: int, kind: str, slots: Any = 0) -> int:
@@ -237,7 +201,7 @@ def _fixed(p: StepProfile, n: int) -> int:
 
 def _revolve_slots(p: StepProfile, n: int, budget: int) -> int:
     """The most snapshot slots (``x_0`` included) whose revolve fits; 0 when none does."""
-    room = budget - predicted_peak(p, n, "revolve", 1)
+    room = budget - Revolve(1).predicted_peak(p, n)
     if room < 0:
         return 0
     if p.slot_bytes <= 0:
@@ -346,13 +310,8 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
     """See :func:`_choose`; the chosen plan carries its peak's terms (``Plan.terms``)."""
     best = _choose(profile, n_steps, budget, slow, policies)
     q = next((o for o in policies or () if o.policy == best.policy), profile)
-    slots: Any = 0
-    if best.kind == "revolve_tail":
-        slots = (best.schedule.snapshots, best.schedule.tail)
-    elif best.kind != "store_all":
-        slots = best.snapshots
-    best.terms = peak_terms(q if best.kind in ("store_all", "revolve_tail") else profile,
-                            n_steps, best.kind, slots)
+    best.terms = best.strategy.peak_terms(
+        q if best.kind in ("store_all", "revolve_tail") else profile, n_steps)
     return best
 
 
@@ -377,25 +336,32 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
     if not fixed_policy:
         others = weighed_policies(p, others)
     alts: list[Alternative] = []
-    peak_all = predicted_peak(p, n, "store_all")
+    extra = dict(policies=others, snapshot_dtype=None)
+
+    def make(strategy: Strategy, peak: int, t: float, factor: float, why: str,
+             **kw: Any) -> Plan:
+        """The plan that runs ``strategy``: its schedule for n steps and its predictions."""
+        return Plan(strategy.kind, strategy.build(n), n, getattr(strategy, "snapshots", None),
+                    budget, peak, t, factor, p, alts, why, strategy=strategy, **kw, **extra)
+
+    everything = StoreAll()
+    peak_all = everything.predicted_peak(p, n)
     fits_all = peak_all <= budget and plain_ok
     if plain_ok:
-        alts.append(Alternative("store_all", peak_all, _time(p, n, 0), fits_all,
+        alts.append(Alternative(everything.describe(), peak_all, _time(p, n, 0), fits_all,
                                 "no recomputation"))
     s_rev = _revolve_slots(p, n, budget)
-    extra = dict(policies=others, snapshot_dtype=None)
     if fits_all:
-        sched = store_all(n)
-        plan = Plan("store_all", sched, n, None, budget, peak_all, _time(p, n, 0), 1.0, p,
-                    alts, "everything fits: plain backpropagation, no recomputation", **extra)
+        plan = make(everything, peak_all, _time(p, n, 0), 1.0,
+                    "everything fits: plain backpropagation, no recomputation")
         if s_rev >= 1:
-            adv = optimal_cost(n, s_rev)
-            alts.append(Alternative(f"revolve(s={s_rev})",
-                                    predicted_peak(p, n, "revolve", s_rev),
+            rev = Revolve(s_rev)
+            adv = rev.advances(n)
+            alts.append(Alternative(rev.describe(), rev.predicted_peak(p, n),
                                     _time(p, n, adv), True, f"{adv} recomputed steps"))
         return plan
     if s_rev < 1:
-        minimum = predicted_peak(p, n, "revolve", 1)
+        minimum = Revolve(1).predicted_peak(p, n)
         raise BudgetError(
             f"the budget {format_bytes(budget)} is below the minimum {format_bytes(minimum)} "
             f"any schedule needs for {n} steps: one recorded step takes "
@@ -405,13 +371,13 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
                if p.output_bytes else "")
             + "; raise the budget or shrink the step"
         )
-    adv = optimal_cost(n, s_rev)
+    rev = Revolve(s_rev)
+    adv = rev.advances(n)
     t_rev = _time(p, n, adv)
-    alts.append(Alternative(f"revolve(s={s_rev})", predicted_peak(p, n, "revolve", s_rev),
-                            t_rev, True, f"{adv} recomputed steps, the most slots that fit"))
-    best = Plan("revolve", revolve(n, s_rev), n, s_rev, budget,
-                predicted_peak(p, n, "revolve", s_rev), t_rev, (adv + n) / n, p, alts,
-                "store_all does not fit; revolve with the most snapshots that fit", **extra)
+    alts.append(Alternative(rev.describe(), rev.predicted_peak(p, n), t_rev, True,
+                            f"{adv} recomputed steps, the most slots that fit"))
+    best = make(rev, rev.predicted_peak(p, n), t_rev, (adv + n) / n,
+                "store_all does not fit; revolve with the most snapshots that fit")
     best_adv = adv  # recomputations of the best plain plan: exact, noise-free
 
     def tail_plan(q: StepProfile) -> tuple[Plan, int] | None:
@@ -421,8 +387,9 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
             return None
         s_t, m, adv_t = tail
         t_tail = _time(p, n, adv_t, kept=m, q=q)
-        name = f"revolve(s={s_t}) + {m} recorded steps" + _tag(q.policy)
-        peak = predicted_peak(q, n, "revolve_tail", (s_t, m))
+        strategy = RevolveTail(s_t, m, None if q.policy == "none" else q.policy)
+        name = strategy.describe()
+        peak = strategy.predicted_peak(q, n)
         alts.append(Alternative(name, peak, t_tail, True,
                                 f"{adv_t} recomputed steps; the last {m} steps are kept "
                                 "recorded from the forward sweep"))
@@ -430,9 +397,7 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
                "last steps recorded")
         if q.policy != "none":
             why += f", their tapes shrunk by the policy {q.policy}"
-        return Plan("revolve_tail", revolve_tail(n, s_t, m), n, s_t, budget, peak, t_tail,
-                    (adv_t + n) / n, p, alts, why, label=name, policy=q.policy,
-                    **extra), adv_t
+        return make(strategy, peak, t_tail, (adv_t + n) / n, why, policy=q.policy), adv_t
 
     if plain_ok:
         found = tail_plan(p)
@@ -443,7 +408,7 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
             and plain_ok and p.slot_bytes == p.state_bytes):
         # a slot may hold a recorded step instead of a state (Maddison's mixed checkpointing);
         # u units of S bytes, the working set of the step being reversed on top
-        units = int((budget - predicted_peak(p, n, "mixed", 0)) // p.state_bytes)
+        units = int((budget - strategy_for("mixed", 0).predicted_peak(p, n)) // p.state_bytes)
         units = min(units, 2 * n)
         if units >= 1 and n * units <= _MAX_MIXED_TABLE:
             try:
@@ -452,31 +417,31 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
                 evals = None
             if evals is not None:
                 t_mix = _time(p, n, evals - n)
-                name = f"mixed(units={units}, tape={tape_units} states)"
-                peak = predicted_peak(p, n, "mixed", units)
-                alts.append(Alternative(name, peak, t_mix, True,
+                mix = Mixed(units, tape_units)
+                peak = mix.predicted_peak(p, n)
+                alts.append(Alternative(mix.describe(), peak, t_mix, True,
                                         f"{evals - n} extra evaluations; a slot holds a "
                                         "state or a recorded step"))
                 if evals - n < best_adv:
-                    best = Plan("mixed", mixed(n, units, tape_units=tape_units), n, units,
-                                budget, peak, t_mix, evals / n, p, alts,
+                    best = make(mix, peak, t_mix, evals / n,
                                 "a recorded step costs about a state here, so keeping some "
-                                "recorded steps (mixed checkpointing) saves recomputation",
-                                label=name, **extra)
+                                "recorded steps (mixed checkpointing) saves recomputation")
+                    best.snapshots = units
                     best_adv = evals - n
     # a policy must beat the best plan without one by 10 % (measured times are noisy)
     bar = best.predicted_time * (1.0 if fixed_policy else _MARGIN)
     for q in others:
-        peak = predicted_peak(q, n, "store_all")  # every step kept recorded under the policy
+        kept_all = StoreAll(q.policy)
+        peak = kept_all.predicted_peak(q, n)  # every step kept recorded under the policy
         t_q = _time(p, n, 0, kept=n, q=q)
         fits = peak <= budget
-        alts.append(Alternative("store_all" + _tag(q.policy), peak, t_q, fits,
+        alts.append(Alternative(kept_all.describe(), peak, t_q, fits,
                                 "no recomputation of states; each step's backward "
                                 "recomputes what the policy drops"))
         if fits and t_q < bar:
-            best = Plan("store_all", store_all(n), n, None, budget, peak, t_q, 1.0, p, alts,
+            best = make(kept_all, peak, t_q, 1.0,
                         f"the policy {q.policy} shrinks each recorded step enough for all "
-                        "of them to fit", policy=q.policy, **extra)
+                        "of them to fit", policy=q.policy)
             bar = t_q if fixed_policy else min(bar, _MARGIN * t_q)
         found = tail_plan(q)
         if found is not None and found[0].predicted_time < bar:
@@ -487,22 +452,17 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
         unit = p.t_advance  # costs in units of one unrecorded step
         # timing noise can make a recorded step look cheaper than an unrecorded one: clamp
         back = max((p.t_record + p.t_backward) / unit - 1.0, 0.0)
-        kw = dict(write_cost=slow.t_write / unit, read_cost=slow.t_read / unit,
-                  forward_cost=1.0, backward_cost=back)
-        cost = two_level_cost(n, s_rev, m, **kw)
-        rev_cost = two_level_cost(n, s_rev, 0, **kw)
-        t_two = t_rev * cost / rev_cost if rev_cost else t_rev
-        name = f"two_level(s={s_rev}, {slow.kind}={m})"
-        peak = predicted_peak(p, n, "two_level", s_rev)
+        two = TwoLevel(s_rev, m, write_cost=slow.t_write / unit, read_cost=slow.t_read / unit,
+                       forward_cost=1.0, backward_cost=back, level=slow.kind)
+        t_two = two.predicted_time(p, n)
+        name = two.describe()
+        peak = two.predicted_peak(p, n)
         note = (f"write {slow.t_write * 1e3:.3g} ms, read {slow.t_read * 1e3:.3g} ms "
                 f"per state on {slow.kind}")
         alts.append(Alternative(name, peak, t_two, True, note))
         if t_two < _MARGIN * best.predicted_time:
-            sched = two_level(n, s_rev, m, **kw)
-            return Plan("two_level", sched, n, s_rev, budget, peak, t_two,
-                        t_two / max(t_rev, 1e-300) * best.recompute_factor, p, alts,
-                        f"a second level on {slow.kind} saves recomputation at its I/O cost",
-                        label=name, **extra)
+            return make(two, peak, t_two, t_two / max(t_rev, 1e-300) * best.recompute_factor,
+                        f"a second level on {slow.kind} saves recomputation at its I/O cost")
         best.reason += f"; the {slow.kind} level does not pay for its I/O"
     return best
 
@@ -527,14 +487,6 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     Raises :class:`~deepsolve.BudgetError` (a ``ValueError``) with the minimum budget when no
     schedule fits. ``Plan.explain()`` prints the alternatives weighed.
     """
-    import dataclasses
-
-    from torch.utils import _pytree as pytree
-
-    from ..engine import POLICIES, check_snapshot_dtype, policy_context, snapshot_nbytes
-    from .budget import parse_budget
-    from .profiling import profile_step
-
     if not callable(step):
         raise TypeError(f"plan: step must be callable as step(state, i), got "
                         f"{type(step).__name__}")
@@ -586,16 +538,6 @@ _level_cache: dict = {}
 def measure_level(kind: str, leaves, spill_dir: str | None = None) -> SlowLevel:
     """Time writing and reading one state to host memory or a spill directory, and count
     how many states fit there (half of the available RAM or free disk space)."""
-    import os
-    import shutil
-    import time
-
-    import torch
-
-    from ..engine import HostStorage
-    from .budget import device_capacity
-    from .offload import DiskStorage
-
     if kind not in ("host", "disk"):
         raise ValueError(f"offload must be 'host' or 'disk', got {kind!r}")
     nbytes = sum(t.numel() * t.element_size() for t in leaves)
@@ -634,12 +576,6 @@ def online_snapshots(step, state, budget: int | str, max_steps: int | None = Non
     one recorded step, the working set and (with ``max_steps``) the stacked outputs; with
     ``snapshot_dtype``, snapshots are counted at that dtype's size.
     Raises :class:`~deepsolve.BudgetError` when not even ``x_0`` and one step fit."""
-    from torch.utils import _pytree as pytree
-
-    from ..engine import snapshot_nbytes
-    from .budget import parse_budget
-    from .profiling import profile_step
-
     leaves = pytree.tree_leaves(state)
     nbytes = parse_budget(budget, leaves[0].device if leaves else None)
     if not leaves or leaves[0].device.type == "cpu":
@@ -647,7 +583,7 @@ def online_snapshots(step, state, budget: int | str, max_steps: int | None = Non
     p = profile_step(step, state, params=params)
     # as revolve(1), with the outputs also listed during the forward sweep, and one state
     # more: the online forward holds x_{i-1} beside x_i
-    need = (predicted_peak(p, max_steps or 0, "revolve", 1) + (max_steps or 0) * p.output_bytes
+    need = (Revolve(1).predicted_peak(p, max_steps or 0) + (max_steps or 0) * p.output_bytes
             + p.state_bytes)
     room = nbytes - need
     if room < 0:
