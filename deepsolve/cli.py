@@ -30,7 +30,7 @@ def _positive_float(text: str) -> float:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from . import schedules as S
+    from .memory.strategies import Periodic, Revolve, StoreAll
     from .schedules.diagram import png_diagram, summary, text_diagram
 
     if args.problem:
@@ -46,15 +46,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("give a problem file, or --steps N (and --snapshots S)")
     if args.png:
         _check_output_file("--png", args.png)
-    if args.schedule == "revolve":
-        if args.snapshots is None:
-            raise ValueError("revolve needs --snapshots S (S >= 1), or choose --schedule "
-                             "periodic or store_all")
-        sched = S.revolve(args.steps, args.snapshots)
-    elif args.schedule == "periodic":
-        sched = S.periodic(args.steps, args.every)
-    else:
-        sched = S.store_all(args.steps)
+    if args.schedule == "revolve" and args.snapshots is None:
+        raise ValueError("revolve needs --snapshots S (S >= 1), or choose --schedule "
+                         "periodic or store_all")
+    how = {"revolve": lambda: Revolve(args.snapshots), "periodic": lambda: Periodic(args.every),
+           "store_all": StoreAll}[args.schedule]()
+    sched = how.build(args.steps)
     print(summary(sched))
     if args.show:
         print()

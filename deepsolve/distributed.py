@@ -37,7 +37,7 @@ import torch
 from .problem import Context
 
 __all__ = [
-    "DistInfo", "DistributedContext", "setup", "cleanup", "shard", "barrier",
+    "DistInfo", "DistributedContext", "rank_device", "setup", "cleanup", "shard", "barrier",
     "average_gradients", "broadcast_model", "broadcast_buffers", "any_rank", "gather_floats",
     "check_batch", "nanmax",
 ]
@@ -72,6 +72,28 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
 
 
+def rank_device(device_name: str) -> str:
+    """The device this process trains on, decided from the environment alone (nothing is
+    started): ``device_name`` itself outside torchrun (``WORLD_SIZE`` unset or 1); under it
+    ``cuda`` becomes ``cuda:LOCAL_RANK``, and ``cuda:N`` with several processes per node is
+    refused (one line)."""
+    world = _env_int("WORLD_SIZE", 1)
+    if world <= 1:
+        return device_name
+    local = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    dev = torch.device(device_name)
+    if dev.type != "cuda":
+        return device_name
+    if dev.index is None:
+        return f"cuda:{local}"
+    if local_world > 1:
+        raise ValueError(f"--device {device_name} with {local_world} processes per node "
+                         "puts them all on one GPU; use --device cuda (each process takes "
+                         "cuda:LOCAL_RANK)")
+    return device_name
+
+
 def setup(device_name: str, timeout_s: float = 600.0) -> tuple[DistInfo, str]:
     """Join the process group when ``WORLD_SIZE > 1`` (as set by torchrun); returns the
     :class:`DistInfo` and the device this rank trains on (``cuda`` -> ``cuda:LOCAL_RANK``)."""
@@ -80,20 +102,13 @@ def setup(device_name: str, timeout_s: float = 600.0) -> tuple[DistInfo, str]:
         return DistInfo(), device_name
     rank = _env_int("RANK", 0)
     local = _env_int("LOCAL_RANK", 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
     if not 0 <= rank < world:
         raise ValueError(f"RANK={rank} is not in 0..{world - 1} (WORLD_SIZE={world})")
     if not torch.distributed.is_available():
         raise ValueError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed")
-    device = device_name
+    device = rank_device(device_name)
     dev = torch.device(device_name)
     if dev.type == "cuda":
-        if dev.index is None:
-            device = f"cuda:{local}"
-        elif local_world > 1:
-            raise ValueError(f"--device {device_name} with {local_world} processes per node "
-                             "puts them all on one GPU; use --device cuda (each process takes "
-                             "cuda:LOCAL_RANK)")
         if torch.cuda.is_available():
             torch.cuda.set_device(torch.device(device))
     backend = "nccl" if dev.type == "cuda" else "gloo"

@@ -61,7 +61,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -70,6 +70,9 @@ import torch.utils._pytree as pytree
 from .memory import BudgetError
 from .schedules import Schedule, periodic, revolve
 from .unroll import UnrollStats, unroll
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 __all__ = ["check_gradients", "GradientCheck", "GradientRow", "check_problem",
            "DEFAULT_STEPS"]
@@ -637,16 +640,17 @@ def check_problem(problem_path: str, *, steps: int | None = None,
     Returns a :class:`GradientCheck` (``title`` names the problem). One-line
     ``ValueError`` for a bad ``steps`` or a problem whose unroll has no fixed length.
     """
+    from .config import run_config
     from .problem import load_problem
-    from .train import resolve_config, run_threads
+    from .train import run_threads
 
     problem0, _ = load_problem(problem_path)
-    cfg = resolve_config(problem0, overrides, sets)
-    with run_threads(cfg["threads"]):
+    cfg = run_config(problem0, overrides, sets)   # every setting checked before the build
+    with run_threads(cfg.threads):
         return _check_problem(problem_path, cfg, steps, rtol)
 
 
-def _check_problem(problem_path: str, cfg: dict, steps: int | None,
+def _check_problem(problem_path: str, cfg: RunConfig, steps: int | None,
                    rtol: float | None) -> GradientCheck:
     from .problem import Problem
     from .train import build
@@ -726,7 +730,7 @@ def _evaluate(problem, ctx, rng0: _RNG) -> tuple[dict, int, list[str]]:
     return terms, saved, _escaped(rng0, _rng_get())
 
 
-def _check_residuals(problem_path: str, problem, ctx, cfg: dict, terms0, rng0: _RNG,
+def _check_residuals(problem_path: str, problem, ctx, cfg: RunConfig, terms0, rng0: _RNG,
                      rtol: float | None) -> GradientCheck:
     from .train import build
 
@@ -746,8 +750,7 @@ def _check_residuals(problem_path: str, problem, ctx, cfg: dict, terms0, rng0: _
         del terms
 
         def other(settings: dict) -> tuple[float, list, int]:
-            c2 = dict(cfg, **settings)
-            prob2, ctx2, _ = build(problem_path, c2)
+            prob2, ctx2, _ = build(problem_path, cfg.replace(**settings))
             ctx2.model.load_state_dict(ctx.model.state_dict())
             p2 = [p for _, p in ctx2.model.named_parameters() if p.requires_grad]
             t2, saved, esc2 = _evaluate(prob2, ctx2, rng0)

@@ -7,6 +7,12 @@ gradient norm, metrics); every ``checkpoint_every`` iterations, at the end, and 
 SIGUSR1 arrives (batch systems send these before killing a job) it flushes the log and then
 writes ``RUN_DIR/restart.pt`` atomically, so the log always holds the restart file's rows.
 
+Before any work — loading data, building the model, making the run directory — the
+settings become one frozen :class:`~deepsolve.config.RunConfig` (:func:`resolve_config`):
+every setting checked, the budget, device, dtype and thread count parsed, so a bad
+``--budget``, ``--device`` or ``--set`` is a one-line error that leaves nothing behind. A
+``build`` that raises leaves no run directory either (the one this run made is removed).
+
 A run directory has one writer (an exclusive ``flock`` on it, released by the kernel however
 the trainer ends). A start decides from what the directory holds, before changing anything:
 no restart file — start at iteration 0 (a log without one, from a run stopped before its first
@@ -41,25 +47,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from .memory.meter import host_high_water_mark, process_status, reset_high_water_mark
-from .problem import (
-    Context,
-    Problem,
-    ProblemError,
-    apply_overrides,
-    check_settings,
-    load_problem,
+from .config import (
+    DEFAULT_THREADS,
+    DTYPES,
+    ConfigError,
+    RunConfig,
+    config_from_settings,
+    resolve_threads,
+    run_config,
 )
+from .memory.meter import host_high_water_mark, process_status, reset_high_water_mark
+from .problem import Context, Problem, ProblemError, load_problem
 
 __all__ = ["train", "TrainResult", "PREEMPTED_EXIT_CODE", "plan_problem", "RestartError",
-           "RunDirBusy", "save_restart", "load_restart", "remove_stale_temporaries"]
+           "RunDirBusy", "save_restart", "load_restart", "remove_stale_temporaries",
+           "RunConfig", "ConfigError", "resolve_config", "DEFAULT_THREADS"]
 
 #: Exit code of a run stopped by SIGTERM/SIGUSR1 after writing its restart file
 #: (EX_TEMPFAIL: "try again"); a batch script requeues on it.
 PREEMPTED_EXIT_CODE = 75
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
+_DTYPES = DTYPES   # the dtype names a run may use (deepsolve.config.DTYPES)
 
 
 @dataclass
@@ -77,44 +85,17 @@ class TrainResult:
 
 
 def resolve_config(problem: Problem, overrides: Mapping[str, Any] | None = None,
-                   sets: list[str] | None = None) -> dict[str, Any]:
-    """Problem defaults, then ``--set key=value`` pairs (typed), then explicit options."""
-    cfg = apply_overrides(problem.config(), sets or [])
-    for k, v in (overrides or {}).items():
-        if v is None:
-            continue
-        if k not in cfg:
-            raise ValueError(f"unknown setting {k!r}")
-        cfg[k] = v
-    check_settings(cfg)
-    if cfg["dtype"] not in _DTYPES:
-        raise ValueError(f"dtype {cfg['dtype']!r} is not one of {', '.join(_DTYPES)}")
-    return cfg
-
-
-#: torch's CPU threads when neither ``threads`` nor ``OMP_NUM_THREADS`` says otherwise; chosen
-#: from measurements on the shipped problems (docs/problems.md, "Threads"): one thread is as
-#: fast as two on a quiet 2-core machine for these step sizes and several times faster on a
-#: loaded one, where threads wait for each other at every operation.
-DEFAULT_THREADS = 1
+                   sets: list[str] | None = None) -> RunConfig:
+    """The run's frozen, validated configuration: problem defaults, then ``--set key=value``
+    pairs (typed), then explicit options; see :func:`deepsolve.config.run_config`."""
+    return run_config(problem, overrides, sets)
 
 
 def apply_threads(threads: int) -> int:
-    """Set torch's intra-op CPU threads for the run and return the count: ``threads`` when
-    it is > 0; with 0, the ``OMP_NUM_THREADS`` environment variable when it is set (a batch
-    script's choice is kept), else :data:`DEFAULT_THREADS` (at most the CPUs this process
-    may use)."""
-    n = int(threads)
-    if n <= 0:
-        env = os.environ.get("OMP_NUM_THREADS", "").strip()
-        if env.isdigit() and int(env) > 0:
-            n = int(env)
-        else:
-            try:
-                usable = len(os.sched_getaffinity(0))
-            except (AttributeError, OSError):
-                usable = os.cpu_count() or 1
-            n = max(1, min(DEFAULT_THREADS, usable))
+    """Set torch's intra-op CPU threads for the run and return the count
+    (:func:`deepsolve.config.resolve_threads`: ``threads`` when it is > 0; with 0,
+    ``OMP_NUM_THREADS`` when it is set, else :data:`DEFAULT_THREADS`)."""
+    n = resolve_threads(threads)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
@@ -129,32 +110,6 @@ def run_threads(threads: int):
     finally:
         if torch.get_num_threads() != old:
             torch.set_num_threads(old)
-
-
-def resolve_budget(cfg: Mapping[str, Any]) -> int | None:
-    """The run's unroll budget in bytes (``None`` without one), parsed before any work so a
-    bad ``--budget`` fails at once; a ``"%"`` budget is of ``cfg["device"]``'s memory now
-    (the trainer uses these bytes for the whole run unless ``budget_once`` is off)."""
-    from .memory.budget import parse_budget
-
-    b = cfg.get("budget")
-    if b in ("", None, 0):
-        return None
-    try:
-        return parse_budget(b, cfg["device"])
-    except ValueError as e:
-        raise ValueError(f"--budget: {e}") from None
-
-
-def _device(name: str) -> torch.device:
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but CUDA is not available here; "
-                         "use --device cpu")
-    return dev
 
 
 def _rng_state(ctx: Context) -> dict[str, Any]:
@@ -212,7 +167,8 @@ def _remove_quietly(path: str) -> None:
 
 
 def save_restart(path: str, *, iteration: int, model, optimizer, scheduler, ctx: Context,
-                 cfg: dict, sha: str, problem_state: dict | None = None) -> None:
+                 cfg: Mapping[str, Any], sha: str,
+                 problem_state: dict | None = None) -> None:
     """Write the restart file atomically: a temporary file ``PATH.tmp-<pid>`` in the same
     directory, fsync, then ``os.replace`` — a kill at any moment leaves the previous restart
     file intact. On failure (a full disk) the temporary file is removed and
@@ -223,7 +179,7 @@ def save_restart(path: str, *, iteration: int, model, optimizer, scheduler, ctx:
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else {},
         "rng": _rng_state(ctx),
-        "config": json.dumps(cfg, default=str),
+        "config": json.dumps(_settings(cfg), default=str),
         "problem_sha256": sha,
         "problem": problem_state or {},
     }
@@ -502,13 +458,19 @@ def _git_commit(path: str) -> str:
         return ""
 
 
-def _attrs(problem_path: str, sha: str, cfg: dict, device: torch.device) -> dict[str, Any]:
+def _settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings as the plain dict that restart files and logs record."""
+    return cfg.as_dict() if isinstance(cfg, RunConfig) else dict(cfg)
+
+
+def _attrs(problem_path: str, sha: str, cfg: Mapping[str, Any],
+           device: torch.device) -> dict[str, Any]:
     from . import __version__
 
     dev_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else platform.processor() or platform.machine())
     return {
-        "config": cfg,
+        "config": _settings(cfg),
         "problem_file": os.path.abspath(problem_path),
         "problem_sha256": sha,
         "deepsolve_version": __version__,
@@ -534,16 +496,18 @@ def _check_terms(terms: Any, it: int) -> dict[str, torch.Tensor]:
     return dict(terms)
 
 
-def build(problem_path: str, cfg: dict, rank: int = 0,
+def build(problem_path: str, cfg: RunConfig | Mapping[str, Any], rank: int = 0,
           world_size: int = 1) -> tuple[Problem, Context, str]:
+    """Load the problem file and build it with the configuration ``cfg`` (settings that are
+    not a :class:`RunConfig` yet are validated into one first, before the import)."""
     from .distributed import DistributedContext
 
+    config = cfg if isinstance(cfg, RunConfig) else config_from_settings(cfg)
     problem, sha = load_problem(problem_path)
-    device = _device(cfg["device"])
-    ctx = DistributedContext(cfg, device, _DTYPES[cfg["dtype"]], rank, world_size)
-    torch.manual_seed(int(cfg["seed"]))
-    np.random.seed(int(cfg["seed"]) % 2**32)
-    random.seed(int(cfg["seed"]))
+    ctx = DistributedContext(config.as_dict(), config.device, config.dtype, rank, world_size)
+    torch.manual_seed(int(config["seed"]))
+    np.random.seed(int(config["seed"]) % 2**32)
+    random.seed(int(config["seed"]))
     problem.build(ctx)
     if not isinstance(ctx.model, torch.nn.Module):
         raise ProblemError(f"{problem_path}: build(ctx) must set ctx.model to an nn.Module, got "
@@ -563,12 +527,14 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
     from . import distributed as D
 
     problem0, _ = load_problem(problem_path)
-    cfg = resolve_config(problem0, overrides, sets)
-    with run_threads(cfg["threads"]):   # the caller's thread count is restored after
-        dist, cfg["device"] = D.setup(cfg["device"])
+    # every setting checked and parsed (budget, device, dtype, threads) before any work: a
+    # bad one fails here, and nothing has been made
+    config = run_config(problem0, overrides, sets)
+    with run_threads(config.threads):   # the caller's thread count is restored after
+        dist, device_name = D.setup(config["device"])
         try:
-            budget = resolve_budget(cfg)   # a bad --budget fails here, before any work
-            res = _train(problem_path, cfg, dist, out, resume, quiet, locking, budget)
+            config = config.on_device(device_name)   # "cuda" -> "cuda:LOCAL_RANK" recorded
+            res = _train(problem_path, config, dist, out, resume, quiet, locking)
             D.barrier(dist)  # the others wait for rank 0's restart file and log
             return res
         finally:
@@ -764,8 +730,8 @@ def _inspect_run_dir(run_dir: str, log_path: str, restart_path: str, resume: boo
     return _RunState(start=k, restart=state, resume_log=rows is not None and len(rows) > 0)
 
 
-def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, quiet: bool,
-           locking: bool | None, budget: int | None = None) -> TrainResult:
+def _train(problem_path: str, cfg: RunConfig, dist, out: str | None, resume: bool,
+           quiet: bool, locking: bool | None) -> TrainResult:
     from . import distributed as D
     from .memory.offload import remove_stale_spill_dirs
 
@@ -793,7 +759,7 @@ def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, qu
                                        int(cfg["iterations"]))
             except Exception as e:
                 err = e
-        failed = D.any_rank(dist, err is not None, torch.device(cfg["device"]))
+        failed = D.any_rank(dist, err is not None, cfg.device)
         if failed or err is not None:
             if lock is not None:
                 lock.release()
@@ -807,7 +773,7 @@ def _train(problem_path: str, cfg: dict, dist, out: str | None, resume: bool, qu
             run = _RunState(start=state["iteration"], restart=state)
         try:
             return _run(problem_path, cfg, dist, run, run_dir, log_path, restart_path, quiet,
-                        locking, stop, created, budget)
+                        locking, stop, created)
         finally:
             if lock is not None:
                 lock.release()
@@ -826,15 +792,16 @@ def _remove_empty_dir(path: str) -> None:
         pass
 
 
-def _run(problem_path: str, cfg: dict, dist, run: _RunState, run_dir: str, log_path: str,
-         restart_path: str, quiet: bool, locking: bool | None, stop: _Preemption,
-         created: bool, budget: int | None = None) -> TrainResult:
+def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
+         log_path: str, restart_path: str, quiet: bool, locking: bool | None,
+         stop: _Preemption, created: bool) -> TrainResult:
     """Build the problem, restore the restart file, open the log and train."""
     from . import distributed as D
     from .io import H5Log
     from .memory.meter import MemoryMeter
 
     main = dist.is_main
+    budget = cfg.budget_bytes
     try:
         problem, ctx, sha = build(problem_path, cfg, dist.rank, dist.world_size)
         if budget is not None and cfg["budget_once"]:
@@ -1139,12 +1106,13 @@ def plan_problem(problem_path: str, *, budget: str, sets: list[str] | None = Non
     """The plan ``train`` would use for the problem's unroll under ``budget``: builds the
     problem, captures its first ``ctx.unroll`` call and plans it."""
     problem0, _ = load_problem(problem_path)
-    cfg = resolve_config(problem0, overrides, sets)
-    with run_threads(cfg["threads"]):
-        return _plan_problem(problem_path, cfg, budget)
+    # the plan's budget is the run's: checked with the other settings, before the build
+    config = run_config(problem0, {**(overrides or {}), "budget": budget}, sets)
+    with run_threads(config.threads):
+        return _plan_problem(problem_path, config, budget)
 
 
-def _plan_problem(problem_path: str, cfg: dict, budget: str):
+def _plan_problem(problem_path: str, cfg: RunConfig, budget: str):
     from .memory.planner import plan
 
     problem, ctx, _ = build(problem_path, cfg)
