@@ -24,8 +24,9 @@ which autograd holds for the whole reverse sweep. Not counted: the caller's ``x`
 parameters and their ``.grad``, and the returned output once the caller owns it. A budget
 below what the least-memory schedule needs raises :class:`~deepsolve.BudgetError`.
 
-The executor differs from :mod:`deepsolve.executor` in that states change shape from layer to
-layer; it reuses its RNG and autocast helpers, so layers with dropout replay the same random
+The chain is run by the engine's one action interpreter
+(:class:`deepsolve.engine.Interpreter`), like :func:`deepsolve.unroll`; only its steps differ
+(states change shape from layer to layer), and layers with dropout replay the same random
 numbers when recomputed.
 """
 

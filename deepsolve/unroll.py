@@ -1,8 +1,10 @@
 """``deepsolve.unroll``: the public entry point for checkpointed unrolls.
 
-It turns what the user asks for — a number of snapshots, a schedule by name or object, or a
-memory budget — into a schedule and hands it to the executor (:mod:`deepsolve.executor`),
-which knows nothing of budgets. See docs/unroll.md and docs/budget.md.
+It turns what the user asks for — a checkpoint strategy (:mod:`deepsolve.memory.strategies`:
+``Revolve(s)``, ``Periodic(k)``, ``Budget("2GiB")``, ...) or its short forms ``snapshots=``,
+``schedule="periodic"``, ``budget=`` — into a schedule and hands it to the executor
+(:mod:`deepsolve.engine`), which knows nothing of budgets. See docs/unroll.md and
+docs/budget.md.
 """
 
 from __future__ import annotations
@@ -64,7 +66,12 @@ def unroll(
         snapshots: revolve with this many snapshot slots, ``x_0`` included. Memory is
             ``snapshots`` states plus one recorded step; the step is evaluated
             ``optimal_cost(n, snapshots)`` times unrecorded and ``n`` times recorded.
-        schedule: ``"revolve"`` (with ``snapshots``), ``"store_all"`` (plain backpropagation
+        schedule: a checkpoint strategy — :class:`~deepsolve.Revolve`,
+            :class:`~deepsolve.StoreAll`, :class:`~deepsolve.Periodic`,
+            :class:`~deepsolve.RevolveTail`, :class:`~deepsolve.Mixed`,
+            :class:`~deepsolve.TwoLevel`, :class:`~deepsolve.Online` (with ``until``) or
+            :class:`~deepsolve.Budget` — or by name: ``"revolve"`` (with ``snapshots``),
+            ``"store_all"`` (plain backpropagation
             through the recorded graph), ``"periodic"`` (a snapshot every ``ceil(sqrt(n))``
             steps, or every ``ceil(n / snapshots)``), or any schedule object from
             :mod:`deepsolve.schedules`. With none of ``snapshots``, ``schedule`` and

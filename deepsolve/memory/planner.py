@@ -106,7 +106,7 @@ class Plan:
         alternatives: what was weighed, for :meth:`explain`.
         reason: why this one.
         policy: the recomputation policy for kept tapes (``"none"``, a name from
-            :data:`deepsolve.executor.POLICIES`, or the policy object the caller gave).
+            :data:`deepsolve.engine.POLICIES`, or the policy object the caller gave).
         policies: profiles of the recorded step under the policies weighed.
         snapshot_dtype: the dtype snapshots are stored in (``None``: the state's own).
         terms: the predicted peak's terms (:func:`peak_terms`: snapshots, kept tapes, the

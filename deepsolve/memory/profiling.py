@@ -29,7 +29,7 @@ autograd saves. With ``x`` the input state (already held) and ``lambda`` the adj
   memory measurement, which runs once, untimed).
 
 ``profile_step(step, state, policy=p)`` measures the recorded step under a recomputation
-policy (:data:`deepsolve.executor.POLICIES`, a policy function or a list of ops): K, M and C
+policy (:data:`deepsolve.engine.POLICIES`, a policy function or a list of ops): K, M and C
 are then those of a step recorded under it (what its selective-checkpoint cache keeps; the
 backward recomputes the rest, inside M), ``tape_bytes`` is what the cache holds, and
 ``t_record``, ``t_backward`` include the checkpoint's work and the recomputation.

@@ -40,6 +40,10 @@ Discretisation
 --------------
 * Layout: a physical field has shape ``(..., n)``; index ``[..., i]`` is the
   point :math:`x_i = iL/n`.  Any leading batch dimensions are allowed.
+  :class:`Grid1D` is the one-dimensional :class:`~deepsolve.physics.grids.CubicGrid`:
+  wavenumbers, transforms, shape checks, the 2/3 mask and the operator cache are
+  those of :mod:`deepsolve.physics.grids`; this module adds the Burgers operators
+  (:class:`BurgersOps`).
 * Spectral coefficients are ``torch.fft.rfft(u, norm="forward")``, shape
   ``(..., n//2 + 1)``: the Fourier-series coefficients
   :math:`\hat u_m = \langle u\,e^{-i k_m x}\rangle`, :math:`k_m = m k_0`,
@@ -65,7 +69,9 @@ Discretisation
 
 Time stepping
 -------------
-Two 4th-order one-step methods, both written with out-of-place torch
+Two 4th-order one-step methods (the generic integrators of
+:mod:`deepsolve.physics.time_stepping` applied to the Galerkin system), both written
+with out-of-place torch
 operations (differentiable with autograd, any device, float32/float64, no
 host synchronisation inside a step):
 
@@ -103,13 +109,16 @@ References
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from deepsolve.physics import grids, time_stepping
+from deepsolve.physics.grids import CubicGrid
+from deepsolve.physics.time_stepping import ETDRK4Coefficients
 
 __all__ = [
     "Grid1D",
@@ -141,37 +150,22 @@ METHODS = ("etdrk4", "rk4")
 # --------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Grid1D:
+class Grid1D(CubicGrid):
     r"""Uniform periodic grid of ``n`` points on ``[0, length)``.
 
     Physical fields have shape ``(..., n)``; wavenumbers are physical,
-    :math:`k = 2\pi m / L` for integer ``m``.
+    :math:`k = 2\pi m / L` for integer ``m``.  The one-dimensional
+    :class:`~deepsolve.physics.grids.CubicGrid`: coordinates, transforms, shape
+    checks and the 2/3 mask come from :mod:`deepsolve.physics.grids`.
     """
 
-    n: int
-    length: float = 2 * math.pi
-
-    def __post_init__(self) -> None:
-        if int(self.n) != self.n or self.n < 2:
-            raise ValueError(f"grid size n must be an integer >= 2, got {self.n!r}")
-        if not self.length > 0:
-            raise ValueError(f"domain length must be positive, got {self.length!r}")
-
-    @property
-    def dx(self) -> float:
-        """Grid spacing ``length / n``."""
-        return self.length / self.n
-
-    @property
-    def k0(self) -> float:
-        """Fundamental wavenumber ``2 pi / length``."""
-        return 2 * math.pi / self.length
+    def __init__(self, n: int, length: float = 2 * math.pi) -> None:
+        super().__init__(n, length, ndim=1)
 
     @property
     def m_max(self) -> int:
         """Largest integer wavenumber kept by the 2/3 rule (``3 m < n``)."""
-        return (self.n - 1) // 3
+        return self.cutoffs[0]
 
     @property
     def k_max(self) -> float:
@@ -181,12 +175,7 @@ class Grid1D:
     @property
     def rfft_size(self) -> int:
         """Size ``n//2 + 1`` of the rfft coefficient array."""
-        return self.n // 2 + 1
-
-    def coords(self, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
-        """Coordinates ``x_i = i * dx``, shape ``(n,)``."""
-        dtype = dtype or torch.get_default_dtype()
-        return torch.arange(self.n, dtype=torch.float64, device=device).to(dtype) * self.dx
+        return self.rfft_shape[0]
 
     def operators(self, dtype: torch.dtype | None = None, device=None) -> BurgersOps:
         """Cached :class:`BurgersOps` for this grid on ``device`` in ``dtype``."""
@@ -209,61 +198,22 @@ class BurgersOps(NamedTuple):
     nl: torch.Tensor
 
 
-def _real_dtype(dtype: torch.dtype | None) -> torch.dtype:
-    dtype = dtype or torch.get_default_dtype()
-    if dtype.is_complex:
-        dtype = torch.empty((), dtype=dtype).real.dtype
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"Burgers solver supports float32 and float64, got {dtype}")
-    return dtype
-
-
-def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.complex128 if dtype == torch.float64 else torch.complex64
-
-
-@functools.lru_cache(maxsize=64)
-def _spectral_operators(grid: Grid1D, dtype: torch.dtype, device: torch.device) -> BurgersOps:
-    n = grid.n
-    m = torch.fft.rfftfreq(n, d=1.0 / n, dtype=torch.float64)
-    k_true = grid.k0 * m
-    k = k_true.clone()
-    if n % 2 == 0:  # odd derivatives of a real field vanish at the Nyquist mode
-        k[n // 2] = 0.0
-    mask = (3 * m.abs() < n).to(torch.float64)
-    nl = -0.5j * k * mask
-
-    def cast(t: torch.Tensor, dt: torch.dtype = dtype) -> torch.Tensor:
-        return t.to(dtype=dt, device=device).contiguous()
-
-    return BurgersOps(cast(k), cast(k_true**2), cast(mask), cast(nl, _complex_dtype(dtype)))
-
-
-def spectral_operators(grid: Grid1D, dtype: torch.dtype | None = None, device=None) -> BurgersOps:
+@grids.cached_operators(solver="Burgers solver")
+def spectral_operators(grid: Grid1D, dtype: torch.dtype, device: torch.device) -> BurgersOps:
     """Build (and cache per ``(grid, dtype, device)``) the spectral tensors.
 
-    ``dtype`` is the *real* field dtype; complex dtypes map to their real part's.
+    Called as ``spectral_operators(grid, dtype=None, device=None)``; ``dtype`` is the
+    *real* field dtype (float32 or float64); complex dtypes map to their real part's.
     """
-    dtype = _real_dtype(dtype)
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    return _spectral_operators(grid, dtype, device)
-
-
-def _ops_for(grid: Grid1D, x: torch.Tensor) -> BurgersOps:
-    return spectral_operators(grid, x.dtype, x.device)
-
-
-def _check_shape(grid: Grid1D, u: torch.Tensor) -> None:
-    if u.dim() < 1 or u.shape[-1] != grid.n:
-        raise ValueError(f"expected a field of shape (..., {grid.n}), got {tuple(u.shape)}")
-
-
-def _check_hat_shape(grid: Grid1D, u_hat: torch.Tensor) -> None:
-    if u_hat.dim() < 1 or u_hat.shape[-1] != grid.rfft_size:
-        raise ValueError(
-            f"expected rfft coefficients of shape (..., {grid.rfft_size}), "
-            f"got {tuple(u_hat.shape)}"
-        )
+    (k,) = grid.wavenumbers(nyquist=False)  # odd derivatives of a real field: no Nyquist
+    mask = grid.dealias_mask()
+    nl = -0.5j * k * mask
+    return BurgersOps(
+        grids.cast(k, dtype, device),
+        grids.cast(grid.k2(), dtype, device),
+        grids.cast(mask, dtype, device),
+        grids.cast(nl, grids.complex_dtype(dtype), device),
+    )
 
 
 # --------------------------------------------------------------------------
@@ -276,25 +226,22 @@ def to_spectral(u: torch.Tensor) -> torch.Tensor:
 
     ``(..., n)`` real -> ``(..., n//2+1)`` complex.
     """
-    return torch.fft.rfft(u, norm="forward")
+    return grids.rfftn(u, 1)
 
 
 def to_physical(u_hat: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`to_spectral`: ``(..., n//2+1)`` -> ``(..., n)``."""
-    return torch.fft.irfft(u_hat, n=n, norm="forward")
+    return grids.irfftn(u_hat, (n,))
 
 
 def derivative(u: torch.Tensor, grid: Grid1D, order: int = 1) -> torch.Tensor:
     r"""Spectral derivative :math:`\partial_x^{order} u` of a ``(..., n)`` field.
 
     For odd orders the Nyquist mode is dropped (it has no real derivative).
+    :meth:`PeriodicGrid.derivative <deepsolve.physics.grids.PeriodicGrid.derivative>`
+    along the grid's one axis.
     """
-    _check_shape(grid, u)
-    if order < 0:
-        raise ValueError(f"order must be >= 0, got {order}")
-    ops = _ops_for(grid, u)
-    k = ops.k if order % 2 else torch.sqrt(ops.k2)
-    return to_physical(((1j * k) ** order) * to_spectral(u), grid.n)
+    return grid.derivative(u, -1, order)
 
 
 def energy(u: torch.Tensor, grid: Grid1D) -> torch.Tensor:
@@ -302,13 +249,13 @@ def energy(u: torch.Tensor, grid: Grid1D) -> torch.Tensor:
 
     Exact (Parseval) for the grid's trigonometric interpolant.
     """
-    _check_shape(grid, u)
+    grid.check_field(u)
     return 0.5 * grid.dx * (u * u).sum(dim=-1)
 
 
 def momentum(u: torch.Tensor, grid: Grid1D) -> torch.Tensor:
     r"""Mean/momentum :math:`M = \int_0^L u\,dx` (trapezoid rule), ``(..., n)`` -> ``(...)``."""
-    _check_shape(grid, u)
+    grid.check_field(u)
     return grid.dx * u.sum(dim=-1)
 
 
@@ -351,6 +298,16 @@ def rhs_hat(u_hat: torch.Tensor, ops: BurgersOps, n: int, nu: Scalar) -> torch.T
     return -(nu * ops.k2) * u_hat + nonlinear_hat(u_hat, ops, n)
 
 
+def _galerkin_state(
+    u_hat: torch.Tensor, grid: Grid1D, ops: BurgersOps | None
+) -> tuple[torch.Tensor, BurgersOps]:
+    """Check ``u_hat``, default ``ops``, and project onto the retained modes (``P u``)."""
+    grid.check_spectral(u_hat)
+    if ops is None:
+        ops = spectral_operators(grid, u_hat.real.dtype, u_hat.device)
+    return ops.mask * u_hat, ops
+
+
 def rk4_step(
     u_hat: torch.Tensor,
     grid: Grid1D,
@@ -362,45 +319,17 @@ def rk4_step(
 
     ``nu`` and ``dt`` may be numbers or (broadcastable, differentiable) tensors,
     e.g. of shape ``(..., 1)`` for a per-member viscosity.  See the module
-    docstring for the stability limits.
+    docstring for the stability limits.  :func:`deepsolve.physics.time_stepping.rk4`
+    on the Galerkin right-hand side.
     """
-    _check_hat_shape(grid, u_hat)
-    if ops is None:
-        ops = spectral_operators(grid, u_hat.real.dtype, u_hat.device)
+    u_hat, ops = _galerkin_state(u_hat, grid, ops)
     n = grid.n
-    u_hat = ops.mask * u_hat  # the Galerkin state: retained modes only
     lin = -(nu * ops.k2)
 
     def f(v: torch.Tensor) -> torch.Tensor:  # the stages stay in the band
         return lin * v + _nonlinear_banded(v, ops, n)
 
-    k1 = f(u_hat)
-    k2 = f(u_hat + (0.5 * dt) * k1)
-    k3 = f(u_hat + (0.5 * dt) * k2)
-    k4 = f(u_hat + dt * k3)
-    return u_hat + (dt / 6.0) * (k1 + 2.0 * (k2 + k3) + k4)
-
-
-class ETDRK4Coefficients(NamedTuple):
-    r"""Per-mode ETDRK4 coefficients (real dtype, shape ``(n//2+1,)``) for one ``dt, nu``.
-
-    With :math:`z = \Delta t\,L`, :math:`L = -\nu k^2`:
-    ``e`` :math:`= e^{z}`, ``e2`` :math:`= e^{z/2}`,
-    ``q`` :math:`= \Delta t\,(e^{z/2}-1)/z`,
-    ``f1`` :math:`= \Delta t\,(-4 - z + e^z(4 - 3z + z^2))/z^3`,
-    ``f2`` :math:`= \Delta t\,(2 + z + e^z(z - 2))/z^3`,
-    ``f3`` :math:`= \Delta t\,(-4 - 3z - z^2 + e^z(4 - z))/z^3`
-    (their :math:`z\to0` limits are :math:`\Delta t/2, \Delta t/6, \Delta t/6,
-    \Delta t/6` for ``q, f1, f2, f3``); ``f2x2`` is ``2 * f2``.
-    """
-
-    e: torch.Tensor
-    e2: torch.Tensor
-    q: torch.Tensor
-    f1: torch.Tensor
-    f2: torch.Tensor
-    f3: torch.Tensor
-    f2x2: torch.Tensor  # 2 * f2, precomputed
+    return time_stepping.rk4(f, u_hat, dt)
 
 
 @functools.lru_cache(maxsize=64)
@@ -408,33 +337,8 @@ def _etdrk4_coefficients(
     grid: Grid1D, dt: float, nu: float, dtype: torch.dtype, device: torch.device,
     contour_points: int,
 ) -> ETDRK4Coefficients:
-    n = grid.n
-    m = torch.fft.rfftfreq(n, d=1.0 / n, dtype=torch.float64)
-    z = (-nu * dt * (grid.k0 * m) ** 2).to(torch.complex128)
-    # Kassam & Trefethen: average over points on a circle of radius 1 around each z; the
-    # functions are real on the real axis, so the upper half circle and the real part suffice.
-    j = torch.arange(1, contour_points + 1, dtype=torch.float64)
-    r = torch.exp(1j * math.pi * (j - 0.5) / contour_points)
-    lr = z[:, None] + r[None, :]
-    elr = torch.exp(lr)
-    lr3 = lr**3
-
-    def avg(t: torch.Tensor) -> torch.Tensor:
-        return dt * t.mean(dim=-1).real
-
-    q = avg((torch.exp(lr / 2) - 1) / lr)
-    f1 = avg((-4 - lr + elr * (4 - 3 * lr + lr**2)) / lr3)
-    f2 = avg((2 + lr + elr * (lr - 2)) / lr3)
-    f3 = avg((-4 - 3 * lr - lr**2 + elr * (4 - lr)) / lr3)
-    zr = z.real
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype=dtype, device=device).contiguous()
-
-    return ETDRK4Coefficients(
-        cast(torch.exp(zr)), cast(torch.exp(zr / 2)), cast(q), cast(f1), cast(f2), cast(f3),
-        cast(2 * f2),
-    )
+    coeffs = time_stepping.etdrk4_phi(-nu * dt * grid.k2(), dt, contour_points)
+    return ETDRK4Coefficients(*(grids.cast(c, dtype, device) for c in coeffs))
 
 
 def _as_number(x: Scalar, name: str) -> float:
@@ -460,14 +364,15 @@ def etdrk4_coefficients(
 ) -> ETDRK4Coefficients:
     """Cached :class:`ETDRK4Coefficients` for ``grid``, step ``dt`` and viscosity ``nu``.
 
-    Computed in float64/complex128 with a ``contour_points``-point contour
-    integral (accurate to round-off for any :math:`z \\le 0`), then cast.
+    :math:`L = -\\nu k^2`, shape ``(n//2+1,)``.  Computed in float64/complex128 with a
+    ``contour_points``-point contour integral (accurate to round-off for any
+    :math:`z \\le 0`, :func:`deepsolve.physics.time_stepping.etdrk4_phi`), then cast.
     """
     dt_f = _as_number(dt, "dt")
     nu_f = _as_number(nu, "nu")
     if nu_f < 0:
         raise ValueError(f"viscosity must be >= 0, got {nu_f}")
-    dtype = _real_dtype(dtype)
+    dtype = grids.real_dtype(dtype, "Burgers solver")
     device = torch.device(device) if device is not None else torch.device("cpu")
     return _etdrk4_coefficients(grid, dt_f, nu_f, dtype, device, int(contour_points))
 
@@ -486,22 +391,12 @@ def etdrk4_step(
         c = e_2 a + q\,(2N(b) - N(\hat u)),\\
         \hat u' &= e\,\hat u + f_1 N(\hat u) + 2 f_2 (N(a) + N(b)) + f_3 N(c).
 
-    ``coeffs`` from :func:`etdrk4_coefficients` (same grid, dtype and device).
+    ``coeffs`` from :func:`etdrk4_coefficients` (same grid, dtype and device);
+    :func:`deepsolve.physics.time_stepping.etdrk4` on the Galerkin nonlinear term.
     """
-    _check_hat_shape(grid, u_hat)
-    if ops is None:
-        ops = spectral_operators(grid, u_hat.real.dtype, u_hat.device)
+    u_hat, ops = _galerkin_state(u_hat, grid, ops)
     n = grid.n
-    u_hat = ops.mask * u_hat  # the Galerkin state: retained modes only
-    nv = _nonlinear_banded(u_hat, ops, n)  # the stages stay in the band
-    e2u = coeffs.e2 * u_hat
-    a = e2u + coeffs.q * nv
-    na = _nonlinear_banded(a, ops, n)
-    b = e2u + coeffs.q * na
-    nb = _nonlinear_banded(b, ops, n)
-    c = coeffs.e2 * a + coeffs.q * (2.0 * nb - nv)
-    nc = _nonlinear_banded(c, ops, n)
-    return coeffs.e * u_hat + coeffs.f1 * nv + coeffs.f2x2 * (na + nb) + coeffs.f3 * nc
+    return time_stepping.etdrk4(lambda v: _nonlinear_banded(v, ops, n), u_hat, coeffs)
 
 
 # --------------------------------------------------------------------------
@@ -509,7 +404,7 @@ def etdrk4_step(
 # --------------------------------------------------------------------------
 
 
-class Burgers1D:
+class Burgers1D(time_stepping.SpectralStepper):
     """Pseudo-spectral 1D Burgers stepper on physical fields ``(..., n)``.
 
     Args:
@@ -520,7 +415,9 @@ class Burgers1D:
             or ``"rk4"`` (classical RK4; advective and diffusive limits).
 
     :meth:`step` maps ``u`` to ``u`` one ``dt`` later (same shape, dtype, device);
-    :meth:`step_hat` does the same on rfft coefficients (cheaper inside long loops).
+    :meth:`step_hat` does the same on rfft coefficients (cheaper inside long loops);
+    :meth:`advance` takes ``n_steps`` (``step``, ``__call__`` and ``advance`` from
+    :class:`~deepsolve.physics.time_stepping.SpectralStepper`).
     """
 
     def __init__(self, grid: Grid1D, nu: Scalar, dt: Scalar, method: str = "etdrk4") -> None:
@@ -548,25 +445,10 @@ class Burgers1D:
         coeffs = etdrk4_coefficients(self.grid, self.dt, self.nu, dtype, device)
         return etdrk4_step(u_hat, self.grid, coeffs, ops)
 
-    def step(self, u: torch.Tensor) -> torch.Tensor:
-        """One step on a physical field ``(..., n)`` -> ``(..., n)``."""
-        _check_shape(self.grid, u)
-        return to_physical(self.step_hat(to_spectral(u)), self.grid.n)
-
-    __call__ = step
-
-    def advance(self, u: torch.Tensor, n_steps: int) -> torch.Tensor:
-        """Apply :meth:`step` ``n_steps`` times (spectral state in between)."""
-        _check_shape(self.grid, u)
-        u_hat = to_spectral(u)
-        for _ in range(int(n_steps)):
-            u_hat = self.step_hat(u_hat)
-        return to_physical(u_hat, self.grid.n)
-
     def rhs(self, u: torch.Tensor) -> torch.Tensor:
         r"""Semi-discrete :math:`\partial_t u` of a physical field (same shape)."""
-        _check_shape(self.grid, u)
-        ops = _ops_for(self.grid, u)
+        self.grid.check_field(u)
+        ops = self.grid.operators_for(u)
         return to_physical(rhs_hat(to_spectral(u), ops, self.grid.n, self.nu), self.grid.n)
 
     def energy(self, u: torch.Tensor) -> torch.Tensor:
@@ -626,7 +508,7 @@ def cole_hopf(
         raise ValueError(f"need a > sum |b_j| for a positive phi, got a={a}, b={amplitudes}")
     if any(int(m) != m for m in wavenumbers):
         raise ValueError(f"wavenumbers must be integers, got {wavenumbers}")
-    dtype = _real_dtype(dtype if x is None else x.dtype)
+    dtype = grids.real_dtype(dtype if x is None else x.dtype, "Burgers solver")
     if x is None:
         x = grid.coords(torch.float64, device)
     xi = x.to(torch.float64) - drift * t
@@ -662,7 +544,7 @@ def random_initial(
     ``peak_wavenumber``.  The fluctuation is scaled to root-mean-square ``rms``
     per member, then ``mean`` is added.
     """
-    dtype = _real_dtype(dtype)
+    dtype = grids.real_dtype(dtype, "Burgers solver")
     m_top = grid.m_max if max_wavenumber is None else min(int(max_wavenumber), grid.m_max)
     if m_top < 1:
         raise ValueError(f"no mode to fill: max_wavenumber={max_wavenumber}, grid n={grid.n}")

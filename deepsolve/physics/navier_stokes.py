@@ -48,6 +48,9 @@ Discretisation
   ``(..., n, n//2 + 1)``; with ``norm="forward"`` they are the Fourier-series
   coefficients :math:`\hat\omega_{\mathbf k} = \langle \omega
   e^{-i\mathbf k\cdot\mathbf x}\rangle`, independent of ``n``.
+  :class:`Grid` is the two-dimensional :class:`~deepsolve.physics.grids.CubicGrid`
+  (wavenumbers, transforms, shape checks, the 2/3 mask and the operator cache live in
+  :mod:`deepsolve.physics.grids`).
 * Derivatives are multiplications by :math:`i k_x, i k_y` (Nyquist
   wavenumbers set to zero for odd derivatives, as usual for real fields);
   :math:`\hat\psi = \hat\omega / |\mathbf k|^2` with :math:`\hat\psi_0 = 0`.
@@ -57,8 +60,8 @@ Discretisation
   kept.  With this (strict) cut-off, aliases of products of retained modes
   never land on retained modes, so the truncated system is an exact Galerkin
   projection.
-* Time stepping: classical explicit 4th-order Runge--Kutta on the full
-  spectral right-hand side
+* Time stepping: classical explicit 4th-order Runge--Kutta
+  (:func:`deepsolve.physics.time_stepping.rk4`) on the full spectral right-hand side
   :math:`\hat\omega_t = -(\nu|\mathbf k|^2 + \alpha)\hat\omega
   + P_{2/3}\widehat{J(\psi,\omega)} + \hat f`.  Stability requires roughly
   :math:`\Delta t\,\max(|\mathbf u|)\,k_{\max} \lesssim 2.8` and
@@ -89,12 +92,14 @@ References
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from typing import NamedTuple
 
 import torch
+
+from deepsolve.physics import grids, time_stepping
+from deepsolve.physics.grids import CubicGrid
+from deepsolve.physics.initial import filtered_noise
 
 __all__ = [
     "Grid",
@@ -155,124 +160,42 @@ class SpectralOps(NamedTuple):
     igrad: torch.Tensor
 
 
-@dataclasses.dataclass(frozen=True)
-class Grid:
+class Grid(CubicGrid):
     r"""Uniform periodic ``n x n`` grid on ``[0, length)^2``.
 
     Physical fields have shape ``(..., n, n)`` with x along dim ``-2`` and y
     along dim ``-1`` (``'ij'`` indexing).  Wavenumbers are physical,
-    :math:`k = 2\pi m / L` for integer ``m``.
+    :math:`k = 2\pi m / L` for integer ``m``.  The two-dimensional
+    :class:`~deepsolve.physics.grids.CubicGrid`: :meth:`mesh`, ``rfft_shape``,
+    transforms, shape checks and the 2/3 mask come from :mod:`deepsolve.physics.grids`.
     """
 
-    n: int
-    length: float = 2 * math.pi
-
-    def __post_init__(self) -> None:
-        if int(self.n) != self.n or self.n < 2:
-            raise ValueError(f"grid size n must be an integer >= 2, got {self.n!r}")
-        if not self.length > 0:
-            raise ValueError(f"domain length must be positive, got {self.length!r}")
-
-    @property
-    def dx(self) -> float:
-        """Grid spacing ``length / n``."""
-        return self.length / self.n
-
-    @property
-    def k0(self) -> float:
-        """Fundamental wavenumber ``2 pi / length``."""
-        return 2 * math.pi / self.length
-
-    @property
-    def rfft_shape(self) -> tuple[int, int]:
-        """Shape ``(n, n//2 + 1)`` of the rfft2 coefficient array."""
-        return (self.n, self.n // 2 + 1)
-
-    def coords(self, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
-        """1D coordinates ``x_i = i * dx``, shape ``(n,)``."""
-        return (
-            torch.arange(self.n, dtype=dtype or torch.get_default_dtype(), device=device) * self.dx
-        )
-
-    def mesh(
-        self, dtype: torch.dtype | None = None, device=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(X, Y)`` coordinate arrays, each ``(n, n)``, ``'ij'`` indexing."""
-        c = self.coords(dtype, device)
-        return torch.meshgrid(c, c, indexing="ij")
+    def __init__(self, n: int, length: float = 2 * math.pi) -> None:
+        super().__init__(n, length, ndim=2)
 
     def operators(self, dtype: torch.dtype | None = None, device=None) -> SpectralOps:
         """Cached :class:`SpectralOps` for this grid on ``device`` in ``dtype``."""
         return spectral_operators(self, dtype, device)
 
 
-def _int_wavenumbers(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integer wavenumbers (float64, CPU) for the full and the rfft axis."""
-    mx = torch.fft.fftfreq(n, d=1.0 / n, dtype=torch.float64)
-    my = torch.fft.rfftfreq(n, d=1.0 / n, dtype=torch.float64)
-    return mx, my
-
-
-@functools.lru_cache(maxsize=64)
-def _spectral_operators(grid: Grid, dtype: torch.dtype, device: torch.device) -> SpectralOps:
-    n = grid.n
-    mx, my = _int_wavenumbers(n)
-    # 2/3 rule (strict): keep 3|m| < n in each direction.
-    keep_x = (3 * mx.abs() < n).to(torch.float64)
-    keep_y = (3 * my.abs() < n).to(torch.float64)
-    mask = keep_x[:, None] * keep_y[None, :]
-    kx_true = grid.k0 * mx
-    ky_true = grid.k0 * my
-    k2 = kx_true[:, None] ** 2 + ky_true[None, :] ** 2
-    inv_k2 = torch.where(k2 > 0, 1.0 / torch.where(k2 > 0, k2, 1.0), 0.0)
-    kx = kx_true.clone()
-    ky = ky_true.clone()
-    if n % 2 == 0:  # odd derivatives of a real field vanish at the Nyquist mode
-        kx[n // 2] = 0.0
-        ky[n // 2] = 0.0
-    kx = kx[:, None]
-    ky = ky[None, :]
-    igrad = 1j * torch.stack(torch.broadcast_tensors(kx, ky))
-    complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
-
-    def cast(t: torch.Tensor, dt: torch.dtype = dtype) -> torch.Tensor:
-        return t.to(dtype=dt, device=device).contiguous()
-
-    return SpectralOps(
-        cast(kx), cast(ky), cast(k2), cast(inv_k2), cast(mask), cast(igrad, complex_dtype)
-    )
-
-
-def spectral_operators(grid: Grid, dtype: torch.dtype | None = None, device=None) -> SpectralOps:
+@grids.cached_operators()
+def spectral_operators(grid: Grid, dtype: torch.dtype, device: torch.device) -> SpectralOps:
     """Build (and cache per ``(grid, dtype, device)``) the spectral tensors.
 
-    ``dtype`` is the *real* field dtype (float32/float64); complex dtypes are
-    mapped to their real counterparts.
+    Called as ``spectral_operators(grid, dtype=None, device=None)``; ``dtype`` is the
+    *real* field dtype (float32/float64); complex dtypes are mapped to their real
+    counterparts.
     """
-    dtype = dtype or torch.get_default_dtype()
-    if dtype.is_complex:
-        dtype = torch.empty((), dtype=dtype).real.dtype
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    return _spectral_operators(grid, dtype, device)
+    kx, ky = grid.wavenumbers(nyquist=False)  # odd derivatives of a real field: no Nyquist
+    igrad = 1j * torch.stack(torch.broadcast_tensors(kx, ky))
 
+    def cast(t: torch.Tensor, dt: torch.dtype = dtype) -> torch.Tensor:
+        return grids.cast(t, dt, device)
 
-def _ops_for(grid: Grid, x: torch.Tensor) -> SpectralOps:
-    return spectral_operators(grid, x.dtype, x.device)
-
-
-def _check_shape(grid: Grid, omega: torch.Tensor) -> None:
-    if omega.shape[-2:] != (grid.n, grid.n):
-        raise ValueError(
-            f"expected a field of shape (..., {grid.n}, {grid.n}), got {tuple(omega.shape)}"
-        )
-
-
-def _check_hat_shape(grid: Grid, omega_hat: torch.Tensor) -> None:
-    if omega_hat.shape[-2:] != grid.rfft_shape:
-        raise ValueError(
-            f"expected rfft2 coefficients of shape (..., {grid.n}, {grid.n // 2 + 1}), "
-            f"got {tuple(omega_hat.shape)}"
-        )
+    return SpectralOps(
+        cast(kx), cast(ky), cast(grid.k2()), cast(grid.inv_k2()), cast(grid.dealias_mask()),
+        cast(igrad, grids.complex_dtype(dtype)),
+    )
 
 
 # --------------------------------------------------------------------------
@@ -285,12 +208,12 @@ def to_spectral(field: torch.Tensor) -> torch.Tensor:
 
     ``(..., n, n)`` real -> ``(..., n, n//2+1)`` complex.
     """
-    return torch.fft.rfft2(field, norm="forward")
+    return grids.rfftn(field, 2)
 
 
 def to_physical(field_hat: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of :func:`to_spectral`: ``(..., n, n//2+1)`` -> ``(..., n, n)``."""
-    return torch.fft.irfft2(field_hat, s=(n, n), norm="forward")
+    return grids.irfftn(field_hat, (n, n))
 
 
 def streamfunction_hat(omega_hat: torch.Tensor, ops: SpectralOps) -> torch.Tensor:
@@ -314,15 +237,15 @@ def velocity(omega: torch.Tensor, grid: Grid) -> tuple[torch.Tensor, torch.Tenso
     :math:`\nabla^2\psi = -\omega`; each output has shape ``(..., n, n)``.
     The velocity has zero mean (no mean flow is representable in this form).
     """
-    _check_shape(grid, omega)
-    u_hat, v_hat = velocity_hat(to_spectral(omega), _ops_for(grid, omega))
+    grid.check_field(omega)
+    u_hat, v_hat = velocity_hat(to_spectral(omega), grid.operators_for(omega))
     return to_physical(u_hat, grid.n), to_physical(v_hat, grid.n)
 
 
 def curl(u: torch.Tensor, v: torch.Tensor, grid: Grid) -> torch.Tensor:
     r"""Spectral curl :math:`\partial_x v - \partial_y u` of ``(..., n, n)`` fields."""
-    _check_shape(grid, u)
-    ops = _ops_for(grid, u)
+    grid.check_field(u)
+    ops = grid.operators_for(u)
     w_hat = 1j * ops.kx * to_spectral(v) - 1j * ops.ky * to_spectral(u)
     return to_physical(w_hat, grid.n)
 
@@ -364,8 +287,8 @@ def vorticity_forcing_hat(forcing: torch.Tensor, grid: Grid) -> torch.Tensor:
 
     ``(..., 2, n, n)`` holding ``(F_x, F_y)`` -> ``(..., n, n//2+1)``.
     """
-    _check_shape(grid, forcing)
-    ops = _ops_for(grid, forcing)
+    grid.check_field(forcing)
+    ops = grid.operators_for(forcing)
     f_hat = to_spectral(forcing)
     return 1j * ops.kx * f_hat[..., 1, :, :] - 1j * ops.ky * f_hat[..., 0, :, :]
 
@@ -429,7 +352,7 @@ def step(
     :func:`vorticity_forcing_hat`).  ``ops`` defaults to the cached operators
     for ``omega_hat``'s device and real dtype.
     """
-    _check_hat_shape(grid, omega_hat)
+    grid.check_spectral(omega_hat)
     if ops is None:
         ops = spectral_operators(grid, omega_hat.real.dtype, omega_hat.device)
     n = grid.n
@@ -438,11 +361,7 @@ def step(
     def f(w: torch.Tensor) -> torch.Tensor:
         return rhs_hat(w, ops, n, nu, alpha, forcing_hat, linear)
 
-    k1 = f(omega_hat)
-    k2 = f(omega_hat + (0.5 * dt) * k1)
-    k3 = f(omega_hat + (0.5 * dt) * k2)
-    k4 = f(omega_hat + dt * k3)
-    return omega_hat + (dt / 6.0) * (k1 + 2.0 * (k2 + k3) + k4)
+    return time_stepping.rk4(f, omega_hat, dt)
 
 
 # --------------------------------------------------------------------------
@@ -450,13 +369,14 @@ def step(
 # --------------------------------------------------------------------------
 
 
-class NavierStokes2D:
+class NavierStokes2D(time_stepping.SpectralStepper):
     """RK4 pseudo-spectral 2D Navier--Stokes stepper on physical vorticity.
 
     The state is a real tensor ``omega`` of shape ``(..., n, n)`` (any batch
     dims); :meth:`step` returns the vorticity one ``dt`` later, with the same
-    shape/dtype/device.  See the module docstring for the equations and sign
-    conventions.
+    shape/dtype/device, :meth:`advance` ``n_steps`` later (both from
+    :class:`~deepsolve.physics.time_stepping.SpectralStepper`).  See the module
+    docstring for the equations and sign conventions.
 
     Args:
         grid: the :class:`Grid`.
@@ -540,24 +460,9 @@ class NavierStokes2D:
         ops, forcing_hat = self._constants(omega_hat.real.dtype, omega_hat.device)
         return step(omega_hat, self.grid, self.dt, self.nu, self.alpha, forcing_hat, ops)
 
-    def step(self, omega: torch.Tensor) -> torch.Tensor:
-        """One RK4 step on physical vorticity ``(..., n, n)`` -> ``(..., n, n)``."""
-        _check_shape(self.grid, omega)
-        return to_physical(self.step_hat(to_spectral(omega)), self.grid.n)
-
-    __call__ = step
-
-    def advance(self, omega: torch.Tensor, n_steps: int) -> torch.Tensor:
-        """Apply :meth:`step` ``n_steps`` times (spectral state in between)."""
-        _check_shape(self.grid, omega)
-        w_hat = to_spectral(omega)
-        for _ in range(n_steps):
-            w_hat = self.step_hat(w_hat)
-        return to_physical(w_hat, self.grid.n)
-
     def rhs(self, omega: torch.Tensor) -> torch.Tensor:
         r"""Physical :math:`\partial_t\omega` for the current state (same shape)."""
-        _check_shape(self.grid, omega)
+        self.grid.check_field(omega)
         ops, forcing_hat = self._constants(omega.dtype, omega.device)
         d_hat = rhs_hat(to_spectral(omega), ops, self.grid.n, self.nu, self.alpha, forcing_hat)
         return to_physical(d_hat, self.grid.n)
@@ -661,18 +566,10 @@ def random_initial(
     by the dealiased dynamics.  Each member is scaled to kinetic energy
     ``energy_level``.
     """
-    dtype = dtype or torch.get_default_dtype()
-    gen_device = generator.device if generator is not None else torch.device("cpu")
-    noise = torch.randn(
-        *batch_shape, grid.n, grid.n, generator=generator, dtype=dtype, device=gen_device
-    )
-    noise = noise.to(device) if device is not None else noise
-    ops = _ops_for(grid, noise)
-    k = torch.sqrt(ops.k2)
-    envelope = k**2.5 * torch.exp(-((k / peak_wavenumber) ** 2)) * ops.mask
-    if max_wavenumber is not None:
-        envelope = envelope * (k <= max_wavenumber)
-    omega = to_physical(envelope * to_spectral(noise), grid.n)
+    def amplitude(k: torch.Tensor) -> torch.Tensor:
+        return k**2.5 * torch.exp(-((k / peak_wavenumber) ** 2))
+
+    omega = filtered_noise(grid, amplitude, generator, batch_shape, max_wavenumber, dtype, device)
     e = energy(omega, grid)
     return omega * torch.sqrt(energy_level / e)[..., None, None]
 
