@@ -73,6 +73,7 @@ from .unroll import UnrollStats, unroll
 
 if TYPE_CHECKING:
     from .config import RunConfig
+    from .problem import UnrollRequest
 
 __all__ = ["check_gradients", "GradientCheck", "GradientRow", "check_problem",
            "DEFAULT_STEPS"]
@@ -610,11 +611,6 @@ def _list(names: list[str], most: int = 5) -> str:
 # problem files
 
 
-class _Captured(Exception):
-    def __init__(self, step: Callable, state: Any, n: int, kw: dict):
-        self.step, self.state, self.n, self.kw = step, state, n, kw
-
-
 def check_problem(problem_path: str, *, steps: int | None = None,
                   sets: list[str] | None = None,
                   overrides: Mapping[str, Any] | None = None,
@@ -652,46 +648,33 @@ def check_problem(problem_path: str, *, steps: int | None = None,
 
 def _check_problem(problem_path: str, cfg: RunConfig, steps: int | None,
                    rtol: float | None) -> GradientCheck:
-    from .problem import Problem
     from .train import build
 
     problem, ctx, _ = build(problem_path, cfg)
     rng0 = _rng_get()
 
-    def capture(step, state, n_steps=None, **kw):
-        n = int(ctx.cfg.steps) if n_steps is None else n_steps
-        kw.pop("stats", None)
-        if "budget" not in kw and "snapshots" not in kw and "schedule" not in kw:
-            if ctx.budget:  # as Context.unroll does
-                kw["budget"] = ctx.budget
-            elif ctx.cfg.snapshots:
-                kw["snapshots"] = int(ctx.cfg.snapshots)
-        fn = step
-        if hasattr(step, "__self__") and isinstance(step.__self__, Problem):
-            meth = step
+    terms = None
 
-            def fn(x, i):
-                return meth(ctx, x, i)
-
-        raise _Captured(fn, state, n, kw)
-
-    ctx.unroll = capture
-    try:
+    def residuals():
+        nonlocal terms
         terms = problem.residuals(ctx, 0)
-    except _Captured as c:
-        return _check_unroll(problem_path, ctx, c, steps, rtol)
+
+    req = ctx.first_unroll(residuals)
+    if req is not None:
+        req.options.pop("stats", None)
+        return _check_unroll(problem_path, ctx, req, steps, rtol)
     res = _check_residuals(problem_path, problem, ctx, cfg, terms, rng0, rtol)
     if steps is not None:
         res.notes.append(f"--steps {steps} has no effect: {problem_path} does not unroll")
     return res
 
 
-def _check_unroll(problem_path: str, ctx, c: _Captured, steps: int | None,
+def _check_unroll(problem_path: str, ctx, c: UnrollRequest, steps: int | None,
                   rtol: float | None) -> GradientCheck:
-    if "until" in c.kw or c.n is None:
+    if "until" in c.options or c.n_steps is None:
         raise ValueError(f"{problem_path}: its unroll has no fixed length (until=); check "
                          "needs a fixed number of steps")
-    n_run = int(c.n)
+    n_run = int(c.n_steps)
     if n_run < 1:
         raise ValueError(f"{problem_path} unrolls {n_run} steps: nothing to check "
                          "(give --set steps=N with N >= 1)")
@@ -703,7 +686,7 @@ def _check_unroll(problem_path: str, ctx, c: _Captured, steps: int | None,
         raise ValueError(f"--steps {steps}: {problem_path} unrolls {n_run} steps; check at "
                          f"most {n_run} (or lengthen the run with --set steps=...)")
     named = {k: p for k, p in ctx.model.named_parameters() if p.requires_grad}
-    kw = dict(c.kw)
+    kw = dict(c.options)
     res = check_gradients(c.step, c.state, steps, wrt=named, rtol=rtol, **kw)
     how = ", ".join(f"{k}={v!r}" for k, v in kw.items() if k in _SCHEDULE_KW) or "store_all"
     res.title = (f"deepsolve check {problem_path}: the first {steps} of the run's {n_run} "

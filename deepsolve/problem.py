@@ -37,7 +37,7 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -150,6 +150,7 @@ class Context:
         self.budget: int | str = cfg.get("budget", "")
         self.cached: dict[str, tuple[str, bool]] = {}
         self._bound: dict = {}
+        self._capturing = False
 
     def cache(self, name: str, key: Mapping[str, Any], compute: Callable[[], Mapping[str, Any]],
               *, directory: str | None = None,
@@ -169,25 +170,65 @@ class Context:
         self.cached[name] = (path, computed)
         return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
-    def unroll(self, step: Callable, state: Any, n_steps: int | None = None, **kw) -> Any:
-        """``deepsolve.unroll`` with the run's settings: ``n_steps`` defaults to
-        ``cfg.steps``; ``budget``/``snapshots`` come from the configuration unless given.
-        Its :class:`UnrollStats` go into the iteration's log row."""
+    def unroll_request(self, step: Callable, state: Any, n_steps: int | None = None,
+                       **kw: Any) -> UnrollRequest:
+        """What ``ctx.unroll(step, state, n_steps, **kw)`` runs: ``n_steps`` defaults to
+        ``cfg.steps``; ``budget``/``snapshots`` come from the configuration unless the call
+        gives a budget, snapshots or a schedule; a problem method ``problem.step(ctx, x, i)``
+        becomes ``step(x, i)`` (one closure per method, so the step profile is cached)."""
         n = self.cfg.steps if n_steps is None else n_steps
         if "budget" not in kw and "snapshots" not in kw and "schedule" not in kw:
             if self.budget:
                 kw["budget"] = self.budget
             elif self.cfg.snapshots:
                 kw["snapshots"] = int(self.cfg.snapshots)
-        stats = kw.pop("stats", None) or UnrollStats()
-        self.unroll_stats.append(stats)
         fn = step
         if hasattr(step, "__self__") and isinstance(step.__self__, Problem):
             key = (id(step.__func__), id(step.__self__))
             fn = self._bound.get(key)
-            if fn is None:  # one closure per method, so the step profile is cached
+            if fn is None:
                 fn = self._bound[key] = _bind_ctx(step, self)
-        return unroll(fn, state, n, stats=stats, **kw)
+        return UnrollRequest(fn, state, n, kw)
+
+    def unroll(self, step: Callable, state: Any, n_steps: int | None = None, **kw) -> Any:
+        """``deepsolve.unroll`` with the run's settings (:meth:`unroll_request`). Its
+        :class:`UnrollStats` go into the iteration's log row."""
+        req = self.unroll_request(step, state, n_steps, **kw)
+        if self._capturing:
+            raise _FirstUnroll(req)
+        stats = req.options.pop("stats", None) or UnrollStats()
+        self.unroll_stats.append(stats)
+        return unroll(req.step, req.state, req.n_steps, stats=stats, **req.options)
+
+    def first_unroll(self, run: Callable[[], Any]) -> UnrollRequest | None:
+        """Call ``run()`` (e.g. ``lambda: problem.residuals(ctx, 0)``) up to its first
+        ``ctx.unroll`` and return what that call asked for, without running the unroll
+        (``plan`` and ``check`` plan or check that unroll); ``None`` when ``run`` returns
+        without unrolling."""
+        self._capturing = True
+        try:
+            run()
+        except _FirstUnroll as e:
+            return e.request
+        finally:
+            self._capturing = False
+        return None
+
+
+class UnrollRequest(NamedTuple):
+    """One ``ctx.unroll`` call as :func:`deepsolve.unroll` receives it."""
+
+    step: Callable
+    state: Any
+    n_steps: int | None
+    options: dict
+
+
+class _FirstUnroll(Exception):
+    """Stops ``run()`` at its first ``ctx.unroll`` (:meth:`Context.first_unroll`)."""
+
+    def __init__(self, request: UnrollRequest):
+        self.request = request
 
 
 def _bind_ctx(method, ctx):

@@ -1096,11 +1096,6 @@ def _progress(total: int, start: int, quiet: bool, every: float = 30.0):
     return _Bar(total, start) if sys.stderr.isatty() else _Lines(total, start, every)
 
 
-class _Captured(Exception):
-    def __init__(self, step, state, n, kw):
-        self.step, self.state, self.n, self.kw = step, state, n, kw
-
-
 def plan_problem(problem_path: str, *, budget: str, sets: list[str] | None = None,
                  overrides: Mapping[str, Any] | None = None):
     """The plan ``train`` would use for the problem's unroll under ``budget``: builds the
@@ -1116,22 +1111,8 @@ def _plan_problem(problem_path: str, cfg: RunConfig, budget: str):
     from .memory.planner import plan
 
     problem, ctx, _ = build(problem_path, cfg)
-
-    def capture(step, state, n_steps=None, **kw):
-        n = ctx.cfg.steps if n_steps is None else n_steps
-        fn = step
-        if hasattr(step, "__self__") and isinstance(step.__self__, Problem):
-            meth = step
-
-            def fn(x, i):
-                return meth(ctx, x, i)
-
-        raise _Captured(fn, state, n, kw)
-
-    ctx.unroll = capture
-    try:
-        problem.residuals(ctx, 0)
-    except _Captured as c:
-        return plan(c.step, c.state, c.n, budget=budget)
+    req = ctx.first_unroll(lambda: problem.residuals(ctx, 0))
+    if req is not None:
+        return plan(req.step, req.state, req.n_steps, budget=budget)
     raise ProblemError(f"{problem_path} does not unroll (its residuals never call ctx.unroll), "
                        "so there is no schedule to plan")
