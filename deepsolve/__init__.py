@@ -5,7 +5,8 @@ Public surface:
 * :func:`unroll` — run ``x_{i+1} = step(x_i, i)`` for ``n`` steps with a checkpoint schedule
   and exact gradients (:class:`UnrollStats` reports what it did);
 * :func:`fixed_point` — equilibrium solvers (Picard, Anderson, Broyden) with implicit,
-  unrolled (checkpointed) or phantom backward;
+  unrolled (checkpointed) or phantom backward (:class:`Implicit`, :class:`Unrolled`,
+  :class:`Phantom`, :class:`Auto` or their names);
 * checkpoint strategies — :class:`Revolve`, :class:`StoreAll`, :class:`Periodic`,
   :class:`Online`, :class:`TwoLevel`, :class:`RevolveTail`, :class:`Mixed` and
   :class:`Budget`: ``unroll(..., schedule=Revolve(20))``; each builds its schedule for any
@@ -22,7 +23,16 @@ Public surface:
 
 from . import schedules
 from .engine import CompiledPolicy
-from .fixed_point import FixedPointError, FixedPointStats, FixedPointWarning, fixed_point
+from .fixed_point import (
+    Auto,
+    FixedPointError,
+    FixedPointStats,
+    FixedPointWarning,
+    Implicit,
+    Phantom,
+    Unrolled,
+    fixed_point,
+)
 from .gradcheck import check_gradients
 from .memory import BudgetError, Plan, plan
 from .memory.strategies import (
@@ -48,6 +58,7 @@ __all__ = [
     "Budget",
     "Problem", "Context",
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
+    "Implicit", "Unrolled", "Phantom", "Auto",
     "sequential", "SequentialStats",
     "check_gradients",
     "__version__",

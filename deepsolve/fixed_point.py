@@ -43,7 +43,7 @@ from .unroll import unroll
 
 __all__ = [
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning", "SOLVERS",
-    "BACKWARDS",
+    "BACKWARDS", "Implicit", "Unrolled", "Phantom", "Auto", "backward_mode",
 ]
 
 #: Forward (and adjoint) solvers and their options with defaults.
@@ -56,6 +56,95 @@ SOLVERS: dict[str, dict[str, Any]] = {
 #: <= tol or its absolute residual ||f(z) - z|| is <= atol; eps guards the relative residual.
 _COMMON = {"atol": 0.0, "eps": 1e-12}
 BACKWARDS = ("implicit", "unrolled", "auto", "phantom")
+
+
+@dataclass(frozen=True)
+class Implicit:
+    """The implicit backward: solve ``g = J_f(z*)^T g + dL/dz*`` by ``solver`` (default: the
+    forward solver) to ``tol`` within ``max_iter`` iterations (defaults: the forward's), one
+    VJP of ``f`` per iteration, then ``dL/dtheta = (df/dtheta)^T g``. Memory: one recorded
+    evaluation of ``f``."""
+
+    solver: str | None = None
+    tol: float | None = None
+    max_iter: int | None = None
+    name = "implicit"
+
+
+@dataclass(frozen=True)
+class Unrolled:
+    """The exact gradient of the iterations run, through :func:`deepsolve.unroll`:
+    checkpointed with ``snapshots`` slots or under ``budget`` (an online schedule, since the
+    number of iterations is not known in advance), plain autograd with neither."""
+
+    snapshots: int | None = None
+    budget: int | str | None = None
+    name = "unrolled"
+
+    def __post_init__(self):
+        if self.snapshots is not None and self.budget is not None:
+            raise ValueError("fixed_point: give budget= or snapshots=, not both")
+
+
+@dataclass(frozen=True)
+class Phantom:
+    """The phantom gradient (Geng et al., NeurIPS 2021): ``steps`` damped iterations
+    ``z <- (1 - damping) z + damping f(z)`` recorded from ``z*``; ``Phantom(1, 1.0)`` is the
+    Jacobian-free backward (Fung et al., AAAI 2022)."""
+
+    steps: int = 5
+    damping: float = 0.5
+    name = "phantom"
+
+    def __post_init__(self):
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"fixed_point: phantom_steps must be an integer >= 1, got "
+                             f"{self.steps!r}")
+        if not 0 < self.damping <= 1:
+            raise ValueError(f"fixed_point: phantom_damping must be in (0, 1], got "
+                             f"{self.damping}")
+
+
+@dataclass(frozen=True)
+class Auto:
+    """``implicit`` when the forward solve converged to ``tol``, else ``unrolled`` through
+    the iterations run."""
+
+    implicit: Implicit = field(default_factory=Implicit)
+    unrolled: Unrolled = field(default_factory=Unrolled)
+    name = "auto"
+
+
+Backward = Implicit | Unrolled | Phantom | Auto
+
+
+def backward_mode(backward: str | Backward = "implicit", *, solver: str | None = None,
+                  tol: float | None = None, max_iter: int | None = None,
+                  snapshots: int | None = None, budget: int | str | None = None,
+                  phantom_steps: int = 5, phantom_damping: float = 0.5) -> Backward:
+    """The backward-mode object of ``fixed_point``'s arguments: ``backward`` is one (an
+    :class:`Implicit`, :class:`Unrolled`, :class:`Phantom` or :class:`Auto`) or its name,
+    completed by the short-form keywords (``backward_solver``/``backward_tol``/
+    ``backward_max_iter``, ``snapshots``/``budget``, ``phantom_steps``/``phantom_damping``)."""
+    if not isinstance(backward, str):
+        if not isinstance(backward, (Implicit, Unrolled, Phantom, Auto)):
+            raise ValueError(f"fixed_point: backward must be one of {', '.join(BACKWARDS)} or "
+                             f"Implicit(...), Unrolled(...), Phantom(...), Auto(...), got "
+                             f"{type(backward).__name__}")
+        return backward
+    if backward not in BACKWARDS:
+        raise ValueError(f"fixed_point: unknown backward {backward!r}; use one of "
+                         f"{', '.join(BACKWARDS)}")
+    implicit = Implicit(solver, tol, max_iter)
+    unrolled = Unrolled(snapshots, budget)
+    phantom = Phantom(phantom_steps, phantom_damping)  # checked whichever mode is asked
+    if backward == "implicit":
+        return implicit
+    if backward == "unrolled":
+        return unrolled
+    if backward == "phantom":
+        return phantom
+    return Auto(implicit, unrolled)
 
 class FixedPointError(ValueError):
     """The solve did not converge (with ``strict=True``), or an iterate became NaN/Inf."""
@@ -472,7 +561,7 @@ def fixed_point(
     solver: str = "anderson",
     tol: float = 1e-6,
     max_iter: int = 100,
-    backward: str = "implicit",
+    backward: str | Backward = "implicit",
     budget: int | str | None = None,
     snapshots: int | None = None,
     return_stats: bool = False,
@@ -506,7 +595,9 @@ def fixed_point(
             element (or absolute residual ``<= atol``). In float32 ``1e-6`` is near round-off;
             use ``1e-4``.
         max_iter: most solver iterations; ``f`` is evaluated at most ``max_iter + 1`` times.
-        backward: ``"implicit"``, ``"unrolled"``, ``"auto"`` or ``"phantom"`` (module docs).
+        backward: a backward mode — :class:`Implicit`, :class:`Unrolled`, :class:`Phantom`
+            or :class:`Auto` — or its name ``"implicit"``, ``"unrolled"``, ``"auto"``,
+            ``"phantom"`` (module docs), completed by the keywords below.
         budget, snapshots: the checkpoint schedule of ``backward="unrolled"`` (and of
             ``"auto"`` when it unrolls), as in :func:`deepsolve.unroll`; plain autograd
             through the iterations without either.
@@ -536,13 +627,25 @@ def fixed_point(
     if solver not in SOLVERS:
         raise ValueError(f"fixed_point: unknown solver {solver!r}; use one of "
                          f"{', '.join(SOLVERS)}")
+    for name, val in (("max_iter", max_iter), ("backward_max_iter", backward_max_iter)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 0):
+            raise ValueError(f"fixed_point: {name} must be an integer >= 0, got {val!r}")
+    mode_obj = backward_mode(backward, solver=backward_solver, tol=backward_tol,
+                             max_iter=backward_max_iter, snapshots=snapshots, budget=budget,
+                             phantom_steps=phantom_steps, phantom_damping=phantom_damping)
+    backward = mode_obj.name
+    imp = mode_obj.implicit if isinstance(mode_obj, Auto) else mode_obj
+    unr = mode_obj.unrolled if isinstance(mode_obj, Auto) else mode_obj
+    if isinstance(imp, Implicit):
+        backward_solver, backward_tol, backward_max_iter = imp.solver, imp.tol, imp.max_iter
+    if isinstance(unr, Unrolled):
+        snapshots, budget = unr.snapshots, unr.budget
+    if isinstance(mode_obj, Phantom):
+        phantom_steps, phantom_damping = mode_obj.steps, mode_obj.damping
     bsolver = solver if backward_solver is None else backward_solver
     if bsolver not in SOLVERS:
         raise ValueError(f"fixed_point: unknown backward_solver {bsolver!r}; use one of "
                          f"{', '.join(SOLVERS)}")
-    if backward not in BACKWARDS:
-        raise ValueError(f"fixed_point: unknown backward {backward!r}; use one of "
-                         f"{', '.join(BACKWARDS)}")
     allowed = {**_COMMON, **SOLVERS[solver], **SOLVERS[bsolver]}
     unknown = sorted(set(solver_options) - set(allowed))
     if unknown:
@@ -552,18 +655,8 @@ def fixed_point(
     if not isinstance(z0, torch.Tensor) or not z0.is_floating_point():
         raise TypeError("fixed_point: z0 must be a floating-point tensor, got "
                         f"{getattr(z0, 'dtype', type(z0).__name__)}")
-    for name, val in (("max_iter", max_iter), ("backward_max_iter", backward_max_iter),
-                      ("phantom_steps", phantom_steps)):
-        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 0
-                                or (name == "phantom_steps" and val < 1)):
-            raise ValueError(f"fixed_point: {name} must be an integer >= "
-                             f"{1 if name == 'phantom_steps' else 0}, got {val!r}")
     if not tol >= 0:
         raise ValueError(f"fixed_point: tol must be >= 0, got {tol}")
-    if not 0 < phantom_damping <= 1:
-        raise ValueError(f"fixed_point: phantom_damping must be in (0, 1], got {phantom_damping}")
-    if budget is not None and snapshots is not None:
-        raise ValueError("fixed_point: give budget= or snapshots=, not both")
     explicit = list(params or [])
     for k, p in enumerate(explicit):
         if not isinstance(p, torch.Tensor):
