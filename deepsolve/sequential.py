@@ -36,14 +36,23 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .engine import GradSum, Interpreter, Replay, cuda_devices, graph_leaves, is_diff
+from .engine import (
+    GradSum,
+    Interpreter,
+    Replay,
+    SweepStats,
+    cuda_devices,
+    graph_leaves,
+    is_diff,
+)
 from .memory.budget import BudgetError, format_bytes, parse_budget
+from .memory.saved import SavedTensors
 from .schedules import Schedule
 from .schedules.actions import Advance
 from .schedules.hetero import ChainCosts, Hetero, hetero_peak
@@ -53,7 +62,7 @@ __all__ = ["sequential", "SequentialStats", "ChainProfile", "profile_chain",
 
 
 @dataclass
-class SequentialStats:
+class SequentialStats(SweepStats):
     """What one :func:`sequential` call did; pass an instance as ``stats=`` to have it filled.
 
     Attributes:
@@ -72,18 +81,12 @@ class SequentialStats:
 
     n_layers: int = 0
     budget: int = 0
-    schedule: str = ""
     mode: str = ""
     block: int | None = None
     predicted_peak: int = 0
     predicted_time: float = 0.0
-    advances: int = 0
-    recorded: int = 0
     profile_time: float = 0.0
     plan_time: float = 0.0
-    forward_time: float = 0.0
-    backward_time: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------
@@ -192,6 +195,7 @@ def _profile(layers: list, x: torch.Tensor, repeats: int) -> ChainProfile:
     fwd, bwd, states, tapes, scratch, grad_bytes, params = [], [], [_nbytes(x)], [], [], [], []
     shapes = [tuple(x.shape)]
     cur = x.detach()
+    key = SavedTensors.key  # (key, nbytes) of a tensor's storage, as the tape is keyed
     for i, layer in enumerate(layers):
         rng = torch.get_rng_state()
         with torch.no_grad():
@@ -207,20 +211,12 @@ def _profile(layers: list, x: torch.Tensor, repeats: int) -> ChainProfile:
         fwd.append(statistics.median(times) if times else 0.0)
         # one recorded run: saved tensors, parameters, record + backward time
         x_in = cur.detach().requires_grad_(is_diff(cur))
-        skip = {_storage(x_in)[0]}
-        seen: dict = {}
-
-        def pack(t: torch.Tensor, seen=seen, skip=skip) -> torch.Tensor:
-            if not (t.is_leaf and t.requires_grad):  # inputs and parameters are not the tape's
-                ptr, nb = _storage(t)
-                if ptr not in skip:
-                    seen[ptr] = max(seen.get(ptr, 0), nb)
-            return t.detach() if t.grad_fn is not None else t  # no cycle via grad_fn
-
+        # its tape: what it saves, not its input (skipped by storage: views of it too)
+        tape = SavedTensors(skip={key(x_in)[0]}, record=True)
         torch.set_rng_state(rng)
         _sync(dev)
         t0 = time.perf_counter()
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.enable_grad(), tape:
             y = _check_out(layer(x_in), i)
         found = list(_module_params(layer))
         if y.requires_grad and y.grad_fn is not None:
@@ -234,11 +230,11 @@ def _profile(layers: list, x: torch.Tensor, repeats: int) -> ChainProfile:
         bwd.append(time.perf_counter() - t0)
         # weights are saved as views (a transposed weight is not a leaf): drop the storages of
         # parameters and buffers, which exist whether or not the layer is recorded
-        own = {_storage(p)[0] for p in found}
+        own = {key(p)[0] for p in found}
         if isinstance(layer, torch.nn.Module):
-            own |= {_storage(t)[0] for t in (*layer.parameters(), *layer.buffers())}
-        out_ptr = _storage(y)[0]
-        saved = {ptr: nb for ptr, nb in seen.items() if ptr not in own}
+            own |= {key(t)[0] for t in (*layer.parameters(), *layer.buffers())}
+        out_ptr = key(y)[0]
+        saved = {ptr: nb for ptr, nb in tape.seen.items() if ptr not in own}
         keeps_out = out_ptr in saved  # e.g. ReLU, tanh: the output is the next state
         states.append(_nbytes(nxt))
         shapes.append(tuple(nxt.shape))
@@ -246,7 +242,7 @@ def _profile(layers: list, x: torch.Tensor, repeats: int) -> ChainProfile:
         scratch.append(max(saved.values(), default=0))
         grad_bytes.append(sum(_nbytes(p) for p in found) + (_nbytes(nxt) if keeps_out else 0))
         params.append(tuple(found))
-        del y, x_in, seen
+        del y, x_in, tape
         cur = nxt
     # backward transient: the gradient of the largest intermediate, the layer's parameter
     # gradients (autograd.grad allocates them before they are added to .grad) and, for a layer

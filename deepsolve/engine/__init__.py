@@ -28,7 +28,7 @@ from .graph import (
     sequence_marker,
     unseen_leaf,
 )
-from .interpreter import GradSum, Interpreter, Misfit, holding
+from .interpreter import GradSum, Interpreter, Misfit, SweepStats, holding
 from .policies import (
     EXPENSIVE_OPS,
     POLICIES,
@@ -47,7 +47,7 @@ from .storage import HostStorage, Slot, Storage, check_snapshot_dtype, snapshot_
 __all__ = [
     "Autocast", "CompiledPolicy", "EXPENSIVE_OPS", "GradSum", "HostStorage", "Interpreter",
     "Misfit", "POLICIES", "Recorder", "Replay", "SAVE_FFT_OPS", "Slot", "Step", "Storage",
-    "Tape", "UnrollRun", "UnrollStats", "autocast_state", "check_snapshot_dtype",
+    "SweepStats", "Tape", "UnrollRun", "UnrollStats", "autocast_state", "check_snapshot_dtype",
     "closure_leaves", "codec", "constant_leaves", "cuda_devices", "discover", "execute",
     "flatten_state", "get_rng", "graph_leaves", "holding", "is_diff", "policy_context",
     "policy_name", "save_expensive", "save_fft", "saved_bytes", "sequence_marker",

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -47,7 +47,7 @@ from ..schedules import Schedule
 from ..schedules.actions import Free, Reverse, Store
 from ..schedules.check import ScheduleError
 from .graph import constant_leaves, discover, sequence_marker, unseen_leaf
-from .interpreter import GradSum, Interpreter, Misfit
+from .interpreter import GradSum, Interpreter, Misfit, SweepStats
 from .policies import CompiledPolicy, Recorder, policy_context, policy_name
 from .replay import Replay
 from .state import Step, flatten_state, is_diff, unflatten
@@ -57,7 +57,7 @@ __all__ = ["execute", "UnrollStats", "UnrollRun", "Tape"]
 
 
 @dataclass
-class UnrollStats:
+class UnrollStats(SweepStats):
     """What one unroll did; pass an instance as ``unroll(..., stats=s)`` to have it filled.
 
     The forward fields are set when ``unroll`` returns, the backward ones when the reverse
@@ -81,15 +81,9 @@ class UnrollStats:
     """
 
     n_steps: int = 0
-    schedule: str = ""
-    advances: int = 0
-    recorded: int = 0
     snapshots_peak: int = 0
     snapshot_bytes_peak: int = 0
     state_bytes: int = 0
-    forward_time: float = 0.0
-    backward_time: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class Tape(NamedTuple):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,7 +43,28 @@ from ..schedules.check import ScheduleError
 from .replay import Replay
 from .storage import HostStorage, Slot
 
-__all__ = ["Interpreter", "Misfit", "GradSum", "holding"]
+__all__ = ["Interpreter", "Misfit", "GradSum", "holding", "SweepStats"]
+
+
+@dataclass
+class SweepStats:
+    """What one run of a schedule did (the fields every interpreter fills; the unroll's and
+    the chain's statistics add their own).
+
+    Attributes:
+        schedule: ``repr`` of the schedule (or plan) run.
+        advances: unrecorded step evaluations (forward sweep and recomputation).
+        recorded: recorded step evaluations (each step once).
+        forward_time, backward_time: wall time of the two sweeps [s].
+        extra: further facts, by name.
+    """
+
+    schedule: str = ""
+    advances: int = 0
+    recorded: int = 0
+    forward_time: float = 0.0
+    backward_time: float = 0.0
+    extra: dict = field(default_factory=dict)
 
 
 class Misfit(Exception):
