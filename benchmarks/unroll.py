@@ -166,8 +166,9 @@ def child(method: str, T: int, s: int, out: str) -> dict:
     return row
 
 
-def overhead_table() -> list[str]:
-    """Executor overhead per step evaluation on a 16-float state, n = 10^4."""
+def overhead_table(runs_only: bool = False) -> list[str] | dict[str, float]:
+    """Executor overhead per step evaluation on a 16-float state, n = 10^4 (``runs_only``:
+    the medians of the store_all and revolve s = 10, 100 runs only)."""
     import deepsolve
     from deepsolve.schedules import optimal_cost
 
@@ -209,6 +210,10 @@ def overhead_table() -> list[str]:
         return time.perf_counter() - t
 
     run(snapshots=10)
+    if runs_only:  # the wall times alone, for benchmarks/engine_ab.py
+        return {"store_all": statistics.median(run(schedule="store_all") for _ in range(3)),
+                **{f"revolve s={s}": statistics.median(run(snapshots=s) for _ in range(3))
+                   for s in (10, 100)}}
     u = statistics.median(unrec_time() for _ in range(3))
     r = statistics.median(rec_time() for _ in range(3))
     lines = ["| method | wall [s] | evaluations | ideal [s] | overhead per evaluation [µs] |",
@@ -235,7 +240,13 @@ def main() -> None:
     ap.add_argument("--child", nargs=4, metavar=("METHOD", "T", "S", "OUT"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--json", help="also write the rows to this JSON file")
+    ap.add_argument("--overhead-json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.overhead_json:
+        import deepsolve
+
+        print(json.dumps({"where": deepsolve.__file__, **overhead_table(runs_only=True)}))
+        return
     if args.child:
         m, T, s, out = args.child
         print(json.dumps(child(m, int(T), int(s), out)))

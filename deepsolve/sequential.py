@@ -130,14 +130,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _storage(t: torch.Tensor) -> tuple[Any, int]:
-    try:
-        st = t.untyped_storage()
-        return st.data_ptr(), st.nbytes()
-    except (RuntimeError, NotImplementedError):  # tensors without storage
-        return ("tensor", id(t)), _nbytes(t)
-
-
 def _module_params(layer) -> list[torch.Tensor]:
     if isinstance(layer, torch.nn.Module):
         return [p for p in layer.parameters() if p.requires_grad]

@@ -8,17 +8,19 @@ peak:
 * ``m.host_peak`` — the process high-water mark (``VmHWM``) above the resident size on entry,
   after resetting the mark through /proc/self/clear_refs where the kernel allows
   (``m.host_reset`` says whether it could);
-* ``m.tracked_peak`` — the bytes deepsolve itself holds: tensors saved for backward (unique
-  storages, not counting leaves that require grad — the caller's parameters and inputs),
-  device snapshots (from the :class:`~deepsolve.UnrollStats` passed as ``stats``, updated by
-  the executor) and stacked outputs. This is the CPU measure the budget is checked against.
+* ``m.tracked_peak`` — the bytes deepsolve itself holds: tensors saved for backward (counted
+  by :class:`~deepsolve.memory.saved.SavedTensors`: unique storages, not leaves that require
+  grad, which are the caller's parameters and inputs; ``m.saved_live`` and ``m.saved_peak``
+  are this part alone), device snapshots (from the :class:`~deepsolve.UnrollStats` passed as
+  ``stats``, updated by the executor) and stacked outputs. This is the CPU measure the budget
+  is checked against.
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
+
+from .saved import SavedTensors
 
 __all__ = ["MemoryMeter", "host_high_water_mark", "reset_high_water_mark", "process_status"]
 
@@ -58,57 +60,25 @@ class MemoryMeter:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.stats = stats
         self.extra = extra_bytes
-        self.saved_live = 0
-        self.saved_peak = 0
         self.tracked_peak = 0
         self.cuda_peak = 0
         self.host_peak = 0
         self.host_reset = False
-        self._storages: dict[int, list[int]] = {}
+        self._saved = SavedTensors(on_grow=self._sample)
 
-    # saved-tensor hooks -----------------------------------------------------------------
-    def _pack(self, t: torch.Tensor):
-        if t.is_leaf and t.requires_grad:
-            return t
-        try:
-            st = t.untyped_storage()
-            ptr, nbytes = st.data_ptr(), st.nbytes()
-        except (RuntimeError, NotImplementedError):  # torch.func wrappers have no storage
-            ptr, nbytes = ("tensor", id(t)), t.numel() * t.element_size()
-        entry = self._storages.get(ptr)
-        if entry is None:
-            self._storages[ptr] = [1, nbytes]
-            self.saved_live += nbytes
-            self._sample()
-        else:
-            entry[0] += 1
-        # hold a detached alias (same storage and version counter, no grad_fn): holding the
-        # saved tensor itself would tie an output to its own grad_fn, a reference cycle
-        # through C++ that keeps a graph dropped without backward alive for good
-        box = _Saved(t.detach())
-        weakref.finalize(box, self._release, ptr)
-        return box
+    @property
+    def saved_live(self) -> int:
+        """Bytes saved for backward now (unique storages)."""
+        return self._saved.live
 
-    def _release(self, ptr: int) -> None:
-        entry = self._storages.get(ptr)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] <= 0:
-            del self._storages[ptr]
-            self.saved_live -= entry[1]
+    @property
+    def saved_peak(self) -> int:
+        """The most bytes saved for backward at once."""
+        return self._saved.peak
 
-    @staticmethod
-    def _unpack(box):
-        return box if isinstance(box, torch.Tensor) else box.t
-
-    def _sample(self) -> None:
+    def _sample(self) -> None:  # each time the saved bytes grow, and on exit
         snaps = self.stats.snapshot_bytes_peak if self.stats is not None else 0
-        total = self.saved_live + snaps + self.extra
-        if total > self.tracked_peak:
-            self.tracked_peak = total
-        if self.saved_live > self.saved_peak:
-            self.saved_peak = self.saved_live
+        self.tracked_peak = max(self.tracked_peak, self._saved.live + snaps + self.extra)
 
     # context ----------------------------------------------------------------------------
     def __enter__(self) -> MemoryMeter:
@@ -118,12 +88,11 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.host_reset = reset_high_water_mark()
         self._host_base = process_status("VmRSS:")
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
+        self._saved.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+        self._saved.__exit__(*exc)
         self._sample()
         if self.stats is not None:
             self.tracked_peak = max(self.tracked_peak,
@@ -134,9 +103,3 @@ class MemoryMeter:
         hwm = process_status("VmHWM:")
         self.host_peak = hwm - self._host_base if self.host_reset else hwm
 
-
-class _Saved:
-    __slots__ = ("t", "__weakref__")
-
-    def __init__(self, t):
-        self.t = t

@@ -71,6 +71,7 @@ from ..engine import (
     saved_bytes,
 )
 from .live import LiveBytes, heap_in_use
+from .saved import SavedTensors
 
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
@@ -252,30 +253,20 @@ class _Memory:
 def _measure(record, x: list[torch.Tensor], params, device: torch.device,
              count_tape: bool = True) -> _Memory:
     """Live bytes of one step recorded by ``record(leaves, i) -> (next, outputs)`` and
-    reversed, and of two chained recorded steps; the tape by ``saved_tensors_hooks``."""
+    reversed, and of two chained recorded steps; the tape by :class:`SavedTensors`."""
     x_in = _fresh(x)
     seeds = [torch.ones_like(t) for t in x]  # lambda_{i+1}: alive before the step
-    skip = {t.untyped_storage().data_ptr() for t in x}
-    seen: dict[int, int] = {}
-
-    def pack(t, seen=seen, skip=skip):
-        if not (t.is_leaf and t.requires_grad):  # inputs and parameters are not the tape's
-            try:
-                st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # torch.func wrappers: no storage
-                return t
-            if st.data_ptr() not in skip:
-                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
-        return t.detach() if t.grad_fn is not None else t  # no cycle via grad_fn
+    # the tape: every storage the step saves, freed or not during the step; not the state's
+    # (a view of the input saved is the input) nor, as leaves, the inputs and parameters
+    tape = SavedTensors(skip={SavedTensors.key(t)[0] for t in x}, record=True)
 
     mem = _Memory()
     # first a recorded step and its backward, not measured: the caches the first one fills
     # (kernel plans, engine state) are not the step's; its saved tensors give the tape
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, _identity) if count_tape else None
     with torch.enable_grad():
         warm = _fresh(x)
-        if hooks is not None:
-            with hooks:
+        if count_tape:
+            with tape:
                 y, out = record(warm, 0)
         else:
             y, out = record(warm, 0)
@@ -321,7 +312,7 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
     # the output seeds were allocated inside the window; in an unroll they are slices of
     # the caller's output gradients, counted with the stacked outputs
     mem.reverse = max(lb.peak - mem.output, tensors) + objects
-    mem.tape = sum(seen.values())
+    mem.tape = sum(tape.seen.values())
     with LiveBytes(device) as lb, torch.enable_grad():
         y1, _ = record(_fresh(x), 0)
         y2, out2 = record(y1, 1)
@@ -329,10 +320,6 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
         del y1, y2, out2
     mem.chain = max(lb.at(k) - tensors, heap[1] if heap is not None else 0, 0)
     return mem
-
-
-def _identity(t):
-    return t
 
 
 def _timed(record, x: list[torch.Tensor], params, cuda: bool) -> tuple[float, float]:

@@ -33,7 +33,6 @@ top.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -41,6 +40,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..memory.budget import parse_budget
+from ..memory.saved import SavedTensors
 
 __all__ = ["SavedBytes", "bytes_per_point", "chunk_size_for_budget", "chunked_sum",
            "chunked_mse", "ChunkedResidual", "IMPLS"]
@@ -53,82 +53,9 @@ IMPLS = ("recompute", "checkpoint")
 # --------------------------------------------------------------------------------------
 
 
-def _unwrap(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under ``torch.func`` wrappers (vmap/grad levels)."""
-    try:
-        from torch._C._functorch import get_unwrapped, is_batchedtensor, is_gradtrackingtensor
-    except ImportError:  # pragma: no cover - very old torch
-        return t
-    while is_batchedtensor(t) or is_gradtrackingtensor(t):
-        t = get_unwrapped(t)
-    return t
-
-
-class _Box:
-    __slots__ = ("t", "pin", "__weakref__")
-
-    def __init__(self, t, pin=None):
-        self.t = t
-        self.pin = pin  # keeps an id()-keyed tensor alive, so its id is not reused
-
-
-class SavedBytes:
-    """Context manager: live and peak bytes of tensors saved for backward inside it.
-
-    Unique storages are counted once; leaves that require grad (parameters, inputs) are not
-    counted. Tensors inside ``torch.func`` transforms are counted by their underlying storage
-    (or ``numel * element_size`` where that cannot be read). The pack hook keeps a detached
-    alias, so that saving an op's own output does not create a reference cycle that would keep
-    the graph alive. ``live`` is what is held now, ``peak`` the most held at once."""
-
-    def __init__(self):
-        self.live = 0
-        self.peak = 0
-        self.packed = 0
-        self._storages: dict = {}
-
-    def _pack(self, t: torch.Tensor):
-        if t.is_leaf and t.requires_grad:
-            return t
-        u = _unwrap(t)
-        pin = None
-        try:
-            st = u.untyped_storage()
-            key, nbytes = ("s", st.data_ptr()), st.nbytes()
-        except (RuntimeError, NotImplementedError):
-            key, nbytes, pin = ("t", id(u)), u.numel() * u.element_size(), u
-        entry = self._storages.get(key)
-        if entry is None:
-            self._storages[key] = [1, nbytes]
-            self.live += nbytes
-            self.packed += nbytes
-            self.peak = max(self.peak, self.live)
-        else:
-            entry[0] += 1
-        box = _Box(t.detach(), pin)
-        weakref.finalize(box, self._release, key)
-        return box
-
-    def _release(self, key) -> None:
-        entry = self._storages.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] <= 0:
-            del self._storages[key]
-            self.live -= entry[1]
-
-    @staticmethod
-    def _unpack(box):
-        return box if isinstance(box, torch.Tensor) else box.t
-
-    def __enter__(self) -> SavedBytes:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+# the saved-tensor meter (unique storages, leaves requiring grad not counted, torch.func
+# wrappers by their storage; ``live``, ``peak``): deepsolve's one, under its PINN name
+SavedBytes = SavedTensors
 
 
 def _as_terms(out) -> tuple[tuple[str, ...] | None, tuple[torch.Tensor, ...]]:
