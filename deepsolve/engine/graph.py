@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 __all__ = ["saved_bytes", "graph_leaves", "sequence_marker", "unseen_leaf",
-           "constant_leaves", "closure_leaves", "discover", "SAFE_OUTER_NODES"]
+           "constant_leaves", "closure_leaves", "discover"]
 
 
 def saved_bytes(roots: Sequence[torch.Tensor], exclude: Sequence[torch.Tensor] = ()) -> int:

@@ -1,0 +1,98 @@
+"""The layers of docs/design.md, read from the source: imports point down, the schedules know
+no torch, and no module outside the engine imports a private name from it."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "deepsolve"
+
+# what each package of the library may import from deepsolve (itself always)
+ALLOWED = {
+    "schedules": set(),
+    "engine": {"schedules"},
+    "physics": set(),
+}
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        yield rel, ast.parse(path.read_text(), filename=str(path))
+
+
+def _imports(rel: pathlib.Path, tree: ast.AST):
+    """(absolute module name, imported names, node) of every import in ``tree``."""
+    package = ["deepsolve", *rel.parts[:-1]]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, [], node
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            yield mod, [a.name for a in node.names], node
+
+
+def _top(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[1] if parts[0] == "deepsolve" and len(parts) > 1 else None
+
+
+def test_the_module_scan_sees_the_library():
+    names = {str(rel) for rel, _ in _modules()}
+    assert {"engine/interpreter.py", "schedules/revolve.py", "unroll.py"} <= names
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_a_lower_layer_imports_nothing_above_it(package):
+    bad = []
+    for rel, tree in _modules():
+        if rel.parts[0] != package:
+            continue
+        for mod, _, node in _imports(rel, tree):
+            top = _top(mod)
+            if top is not None and top != package and top not in ALLOWED[package]:
+                bad.append(f"{rel}:{node.lineno} imports {mod}")
+    assert not bad, "; ".join(bad)
+
+
+def test_the_schedules_are_pure_python():
+    bad = [f"{rel}:{node.lineno} imports {mod}" for rel, tree in _modules()
+           if rel.parts[0] == "schedules"
+           for mod, _, node in _imports(rel, tree) if mod.split(".")[0] == "torch"]
+    assert not bad, "; ".join(bad)
+
+
+def test_no_private_name_is_imported_from_the_engine_outside_it():
+    bad = []
+    for rel, tree in _modules():
+        if rel.parts[0] == "engine":
+            continue
+        for mod, names, node in _imports(rel, tree):
+            if _top(mod) == "engine":
+                private = [n for n in names if n.startswith("_")] + \
+                    [p for p in mod.split(".")[2:] if p.startswith("_")]
+                if private:
+                    bad.append(f"{rel}:{node.lineno} imports {', '.join(private)} from {mod}")
+    assert not bad, "; ".join(bad)
+
+
+def test_every_engine_module_is_reexported():
+    import deepsolve.engine as engine
+
+    for rel, tree in _modules():
+        if rel.parts[0] != "engine" or rel.name == "__init__.py":
+            continue
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                for name in ast.literal_eval(node.value):
+                    assert name in engine.__all__, f"{rel}: {name} is not in deepsolve.engine"
