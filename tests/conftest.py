@@ -1,8 +1,15 @@
-"""Shared fixtures."""
+"""Shared fixtures; plain helper functions are in helpers.py (``from helpers import rel``).
+
+Opt-in fixtures a module requests with ``pytestmark = pytest.mark.usefixtures(NAME)``:
+
+``single_thread``
+    one intra-op torch thread for the module's tests, restored after the module.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -15,3 +22,18 @@ def _cache_outside_the_checkout(tmp_path_factory):
     TRAINER_DEFAULTS["cache_dir"] = str(tmp_path_factory.mktemp("cache"))
     yield
     TRAINER_DEFAULTS["cache_dir"] = old
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Run the requesting module's tests with one intra-op thread; restored afterwards.
+
+    On the 2-core CI/dev machines a busy neighbour process plus torch's OpenMP spin-waiting
+    can slow tiny-grid loops (32x32 FFTs, small networks) by ~100x (0.3 s -> 30 s), and
+    intra-op parallelism brings nothing at these sizes. Module-scoped, so that the module's
+    own module-scoped fixtures (references, loaded problems) are built under it too.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

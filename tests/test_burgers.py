@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from helpers import rel_strict as _rel
 
 from deepsolve.physics.burgers import (
     Burgers1D,
@@ -28,6 +29,8 @@ from deepsolve.physics.burgers import (
     to_physical,
     to_spectral,
 )
+from deepsolve.physics.grids import PeriodicGrid, grid_operators
+from deepsolve.physics.time_stepping import etdrk4, etdrk4_phi, rk4
 
 DT64 = torch.float64
 METHODS = ["etdrk4", "rk4"]
@@ -36,17 +39,8 @@ METHODS = ["etdrk4", "rk4"]
 MULTI = dict(a=1.0, amplitudes=(0.4, 0.3), wavenumbers=(1, 3), phases=(0.3, 1.0), drift=0.7)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """One intra-op thread: these grids are tiny and the test machines have 2 shared cores."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
+# one intra-op thread: these grids are tiny and the test machines have 2 shared cores
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _solve_cole_hopf(n: int, nu: float, dt: float, t_end: float, method: str, **case) -> float:
@@ -285,3 +279,81 @@ def test_input_checks():
         Burgers1D(Grid1D(8), torch.tensor(0.1, requires_grad=True), 0.01, "etdrk4")
     with pytest.raises(ValueError, match=">= 0"):
         Burgers1D(Grid1D(8), -0.1, 0.01)
+
+
+# --------------------------------------------------------------------------
+# The shared kit: time steppers and the 1D grid
+# --------------------------------------------------------------------------
+
+
+def test_rk4_linear_fourth_order():
+    """du/dt = lambda u: one step is R(z) = 1 + z + z^2/2 + z^3/6 + z^4/24; error ~ dt^4."""
+    lam = torch.tensor([-1 + 3j, -0.2 - 1j], dtype=torch.complex128)  # per-member rates
+    u0 = torch.tensor([1 + 0j, 0.5 - 0.2j], dtype=torch.complex128)
+    z = 0.1 * lam
+    r = 1 + z + z**2 / 2 + z**3 / 6 + z**4 / 24
+    assert float((rk4(lambda v: lam * v, u0, 0.1) - r * u0).abs().max()) < 1e-15
+    errs = []
+    for dt in (0.1, 0.05, 0.025):
+        u = u0
+        for _ in range(round(1.0 / dt)):
+            u = rk4(lambda v: lam * v, u, dt)
+        errs.append(float((u - u0 * torch.exp(lam)).abs().max()))
+    orders = [math.log2(e0 / e1) for e0, e1 in zip(errs, errs[1:], strict=False)]
+    assert errs[-1] < 1e-6
+    for p in orders:
+        assert 3.9 < p < 4.1, (errs, orders)
+
+
+def test_etdrk4_logistic_fourth_order_and_exact_linear_part():
+    """u' = a u - u^2 (a < 0), exact u = a u0 e^{at} / (a + u0 (e^{at} - 1)); ETDRK4 is 4th order,
+    and with N = 0 it is the exact exponential even for a stiff a dt."""
+    a = torch.tensor([-3.0], dtype=DT64)
+    u0 = torch.tensor([0.5], dtype=DT64)
+    t_end = 2.0
+    exact = a * u0 * torch.exp(a * t_end) / (a + u0 * torch.expm1(a * t_end))
+    errs = []
+    for dt in (0.1, 0.05, 0.025):
+        coeffs = etdrk4_phi(dt * a, dt)
+        u = u0
+        for _ in range(round(t_end / dt)):
+            u = etdrk4(lambda v: -v * v, u, coeffs)
+        errs.append(float((u - exact).abs().max()))
+    orders = [math.log2(e0 / e1) for e0, e1 in zip(errs, errs[1:], strict=False)]
+    assert errs[-1] < 1e-9
+    for p in orders:
+        assert 3.9 < p < 4.1, (errs, orders)
+    stiff = torch.tensor([[-500.0, -2.0], [0.0, -1e-8]], dtype=DT64)  # any shape of L
+    c = etdrk4_phi(0.1 * stiff, 0.1)
+    v = torch.ones_like(stiff)
+    torch.testing.assert_close(etdrk4(torch.zeros_like, v, c), torch.exp(0.1 * stiff),
+                               rtol=1e-15, atol=0)
+    # z = 0 and z -> 0: e = 1, q = dt/2, f1 = f2 = f3 = dt/6 (no cancellation near 0)
+    assert float(c.e[1, 0]) == 1.0 and float(c.q[1, 0]) == pytest.approx(0.05, rel=1e-14)
+    for f in (c.q, c.f1, c.f2, c.f3):
+        assert float(f[1, 1]) == pytest.approx(float(f[1, 0]), rel=1e-8)
+    for f in (c.f1, c.f2, c.f3):
+        assert float(f[1, 0]) == pytest.approx(0.1 / 6, rel=1e-14)
+
+
+def test_grid1d_is_the_1d_periodic_grid():
+    """Grid1D's operators, derivative and checks are those of PeriodicGrid((n,), (L,))."""
+    grid = Grid1D(16, 3.0)
+    assert isinstance(grid, PeriodicGrid)
+    assert (grid.shape, grid.lengths, grid.rfft_shape) == ((16,), (3.0,), (9,))
+    assert (grid.n, grid.length, grid.rfft_size, grid.m_max) == (16, 3.0, 9, 5)
+    generic = grid_operators(PeriodicGrid((16,), 3.0), DT64)
+    ops = grid.operators(DT64)
+    assert torch.equal(ops.k, generic.k_odd[0]) and torch.equal(ops.k2, generic.k2)
+    assert torch.equal(ops.mask, generic.mask)
+    assert float(ops.k[8]) == 0.0 and float(generic.k[0][8]) == pytest.approx(8 * 2 * math.pi / 3)
+    assert ops.mask.tolist() == [1.0] * 6 + [0.0] * 3  # 3|m| < 16: m <= 5
+    x = grid.coords(DT64)
+    k = 3 * grid.k0
+    u = torch.sin(k * x + 0.4)
+    torch.testing.assert_close(derivative(u, grid), k * torch.cos(k * x + 0.4), rtol=0,
+                               atol=1e-13)
+    torch.testing.assert_close(derivative(u, grid, 2), grid.laplacian(u), rtol=0, atol=1e-12)
+    torch.testing.assert_close(derivative(u, grid, 2), -(k**2) * u, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"rfft coefficients of shape \(\.\.\., 9\)"):
+        grid.check_spectral(torch.zeros(8, dtype=torch.complex128))

@@ -95,6 +95,7 @@ def test_context_shard_takes_this_ranks_part():
 # ------------------------------------------------------------------ two processes
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_parameters_of_one_process(tmp_path):
     out2, out1 = tmp_path / "two", tmp_path / "one"
     proc = _torchrun(out2, "--iterations", "5")
@@ -115,6 +116,7 @@ def test_two_processes_give_the_parameters_of_one_process(tmp_path):
     assert np.all(log.columns["peak_host_memory_max"] >= log.columns["peak_host_memory"])
 
 
+@pytest.mark.slow
 def test_a_signal_on_one_rank_stops_both_then_resume_completes(tmp_path):
     """SIGUSR1 to rank 1 alone: both ranks stop after the same iteration (the stop flag is
     all-reduced), rank 0 writes the restart file, both exit with 75; --resume finishes the

@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from helpers import rel as rel_err
 
 import deepsolve
 from deepsolve import schedules as S
@@ -31,10 +32,6 @@ class Listed(Schedule):
 
     def __iter__(self):
         return iter(self.actions)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def make():

@@ -20,12 +20,7 @@ from deepsolve.fixed_point import (
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 def rel_err(a, b):
@@ -569,3 +564,56 @@ def test_stats_fields_and_return_stats():
     assert st.backward_converged and st.backward_time > 0 and st.backward_solver == "anderson"
     assert st.backward_residuals[-1] <= 1e-10
     assert math.isfinite(st.residual)
+
+
+def _deq(seed: int = 0):
+    torch.manual_seed(seed)
+    W = (0.3 * torch.randn(6, 6, dtype=torch.float64)).requires_grad_()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    return (lambda z: torch.tanh(z @ W.T + x)), W, torch.zeros(4, 6, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("obj, short", [
+    (deepsolve.Implicit(solver="picard", tol=1e-12, max_iter=300),
+     dict(backward="implicit", backward_solver="picard", backward_tol=1e-12,
+          backward_max_iter=300)),
+    (deepsolve.Unrolled(snapshots=3), dict(backward="unrolled", snapshots=3)),
+    (deepsolve.Phantom(3, 0.7), dict(backward="phantom", phantom_steps=3, phantom_damping=0.7)),
+    (deepsolve.Auto(), dict(backward="auto")),
+], ids=lambda v: type(v).__name__ if not isinstance(v, dict) else v["backward"])
+def test_backward_mode_objects_are_their_short_forms(obj, short):
+    """A backward-mode object gives the gradient of its keyword short form, bit for bit."""
+    f, W, z0 = _deq()
+    z = deepsolve.fixed_point(f, z0, tol=1e-10, max_iter=200, backward=obj)
+    (g,) = torch.autograd.grad(z.square().sum(), W)
+    z2 = deepsolve.fixed_point(f, z0, tol=1e-10, max_iter=200, **short)
+    (g2,) = torch.autograd.grad(z2.square().sum(), W)
+    assert torch.equal(g, g2)
+
+
+def test_unrolled_object_equals_plain_autograd_through_the_iterations():
+    f, W, z0 = _deq(1)
+    st = deepsolve.FixedPointStats()
+    z = deepsolve.fixed_point(f, z0, solver="picard", tol=1e-8, max_iter=100, stats=st,
+                              backward=deepsolve.Unrolled(snapshots=4))
+    (g,) = torch.autograd.grad(z.sum(), W)
+    zz = z0
+    for _ in range(st.iterations):
+        zz = f(zz)
+    (ref,) = torch.autograd.grad(zz.sum(), W)
+    assert torch.allclose(g, ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: deepsolve.Phantom(0), "phantom_steps must be"),
+    (lambda: deepsolve.Phantom(2, 1.5), "phantom_damping must be"),
+    (lambda: deepsolve.Unrolled(snapshots=3, budget="1MiB"), "not both"),
+    (lambda: deepsolve.fixed_point(lambda z: z * 0.5, torch.ones(3), backward=3),
+     "backward must be one of"),
+    (lambda: deepsolve.fixed_point(lambda z: z * 0.5, torch.ones(3), phantom_damping=2.0),
+     "phantom_damping must be"),
+])
+def test_bad_backward_modes_are_one_line_errors(make, message):
+    with pytest.raises(ValueError, match=message) as err:
+        make()
+    assert "\n" not in str(err.value)

@@ -18,6 +18,7 @@ def _load():
     return mod
 
 
+@pytest.mark.slow
 def test_gpu_check_cpu_small(capsys):
     mod = _load()
     rc = mod.main(["--device", "cpu", "--small", "--steps", "60", "--fractions", "0.05", "0.5",

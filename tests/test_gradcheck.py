@@ -22,12 +22,7 @@ NOISY = os.path.join(HERE, "data", "noisy_problem.py")
 TINY = os.path.join(HERE, "data", "tiny_problem.py")
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 def _net(seed: int = 0) -> torch.nn.Module:

@@ -189,6 +189,7 @@ def kill_moments(counts: dict[str, int]) -> list[tuple[str, int]]:
     return forced + drawn
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume(zygote, tmp_path):
     ref_dir = tmp_path / "ref"
     assert zygote.run(ref_dir) == 0, output(ref_dir, "run")

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import rel_strict as _rel
 
 from deepsolve.physics import (
     Grid,
@@ -23,26 +24,14 @@ from deepsolve.physics import (
     to_spectral,
     velocity,
 )
+from deepsolve.physics.grids import PeriodicGrid, grid_operators
+from deepsolve.physics.initial import filtered_noise
 
 DT64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Run this module's tiny-grid tests with one intra-op thread.
-
-    On the 2-core CI/dev machines a busy neighbour process plus torch's
-    OpenMP spin-waiting can slow 32x32 FFT loops by ~100x (0.3 s -> 30 s);
-    intra-op parallelism brings nothing at these sizes.  Restored afterwards.
-    """
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).detach().norm() / b.detach().norm())
+# one intra-op thread (conftest.single_thread): tiny-grid FFT loops
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _field(grid: Grid, seed: int, energy_level: float = 0.5, **kw) -> torch.Tensor:
@@ -361,3 +350,106 @@ def test_random_initial_properties():
     assert abs(float(h[0, 0])) < 1e-16
     assert float(h.abs()[ops.k2 > 36.0 + 1e-9].max()) < 1e-15
     assert float(h.abs().max()) > 0.05
+
+
+# --------------------------------------------------------------------------
+# The shared n-d periodic grid
+# --------------------------------------------------------------------------
+
+
+def test_periodic_grid_3d_derivatives_and_laplacian():
+    """On a 12 x 10 x 8 box with three lengths, the spectral derivative of
+    sin(2 k1 x + 0.3) cos(3 k2 y) sin(3 k3 z) is the analytic one along each axis, batched."""
+    grid = PeriodicGrid((12, 10, 8), (2 * math.pi, 3.0, 5.0))
+    assert grid.rfft_shape == (12, 10, 5) and grid.ndim == 3
+    x, y, z = grid.mesh(DT64)
+    k1, k2, k3 = (m * k0 for m, k0 in zip((2, 3, 3), grid.fundamental, strict=True))
+    sx, cx = torch.sin(k1 * x + 0.3), torch.cos(k1 * x + 0.3)
+    sy, cy = torch.sin(k2 * y), torch.cos(k2 * y)
+    sz, cz = torch.sin(k3 * z), torch.cos(k3 * z)
+    u = sx * cy * sz
+    batch = torch.stack((u, -2 * u))  # (2, 12, 10, 8)
+    exact = (k1 * cx * cy * sz, -k2 * sx * sy * sz, k3 * sx * cy * cz)
+    for axis, d_exact in enumerate(exact):
+        d = grid.derivative(batch, axis)
+        assert d.shape == batch.shape
+        torch.testing.assert_close(d, torch.stack((d_exact, -2 * d_exact)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(grid.derivative(u, 0, order=3), -(k1**3) * cx * cy * sz,
+                               rtol=0, atol=1e-11)
+    torch.testing.assert_close(grid.laplacian(u), -(k1**2 + k2**2 + k3**2) * u, rtol=0,
+                               atol=1e-11)
+    # the Nyquist mode cos(pi z / dz): odd derivatives vanish, even ones keep -k_N^2
+    nyq = torch.cos(math.pi * z / grid.spacing[2])
+    k_n = 4 * grid.fundamental[2]
+    assert float(grid.derivative(nyq, -1).abs().max()) < 1e-13
+    torch.testing.assert_close(grid.derivative(nyq, -1, 2), -(k_n**2) * nyq, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grid.to_physical(grid.to_spectral(batch)), batch, rtol=0,
+                               atol=1e-15)
+
+
+def test_periodic_grid_dealiasing_is_exact_galerkin():
+    """P rfft(u v) on the n grid equals the exact product (on a 2n grid) truncated to the band.
+
+    Keeping one more mode (3|m| <= n) lets aliases of the product land on kept modes.
+    """
+    coarse, fine = Grid(12), Grid(24)
+    mask = coarse.operators(DT64).mask
+    m = torch.fft.fftfreq(12, d=1 / 12, dtype=DT64)
+    keep = (3 * m.abs() < 12).to(DT64)
+    assert torch.equal(mask, keep[:, None] * keep[None, : 7])  # |m_x|, |m_y| <= 3
+    assert torch.equal(grid_operators(PeriodicGrid((12, 12)), DT64).mask, mask)
+    gen = torch.Generator().manual_seed(10)
+    r1, r2 = (coarse.to_spectral(torch.randn(2, 12, 12, dtype=DT64, generator=gen))
+              for _ in range(2))
+
+    def product_error(band: torch.Tensor) -> float:
+        u, v = coarse.to_physical(band * r1), coarse.to_physical(band * r2)
+        pseudo = band * coarse.to_spectral(u * v)
+        exact = band * coarse.to_spectral(filter_to(filter_to(u, 24) * filter_to(v, 24), 12))
+        return float((pseudo - exact).abs().max())
+
+    assert fine.rfft_shape == (24, 13)
+    assert product_error(mask) < 1e-15
+    wide = (3 * m.abs() <= 12).to(DT64)  # |m| <= 4
+    assert product_error(wide[:, None] * wide[None, :7]) > 1e-3
+    torch.testing.assert_close(coarse.dealias(r1), mask * r1, rtol=0, atol=0)
+
+
+def test_grid_is_the_2d_periodic_grid_and_checks_shapes():
+    grid = Grid(16, 3.0)
+    assert isinstance(grid, PeriodicGrid)
+    assert (grid.shape, grid.lengths, grid.dims) == ((16, 16), (3.0, 3.0), (-2, -1))
+    ops, generic = grid.operators(DT64), grid_operators(PeriodicGrid((16, 16), 3.0), DT64)
+    assert torch.equal(ops.kx, generic.k_odd[0]) and torch.equal(ops.ky, generic.k_odd[1])
+    assert torch.equal(ops.k2, generic.k2) and torch.equal(ops.inv_k2, generic.inv_k2)
+    assert float(ops.kx[8, 0]) == 0.0 and float(generic.k[0][8, 0]) == pytest.approx(
+        -8 * 2 * math.pi / 3)
+    assert grid_operators(grid, torch.complex64).k2.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"field of shape \(\.\.\., 4, 6\), got \(3, 4, 5\)"):
+        PeriodicGrid((4, 6)).check_field(torch.zeros(3, 4, 5))
+    with pytest.raises(ValueError, match=r"rfftn coefficients of shape \(\.\.\., 4, 6, 3\)"):
+        PeriodicGrid((4, 6, 4)).check_spectral(torch.zeros(4, 6, 4))
+    with pytest.raises(ValueError, match=r"rfft2 coefficients of shape \(\.\.\., 16, 9\)"):
+        NavierStokes2D(grid, 0.1, 0.01).step_hat(torch.zeros(16, 16, dtype=torch.complex128))
+    for shape, lengths in (((), None), ((8, 1), None), ((8, 8), (1.0,)), ((8,), -1.0)):
+        with pytest.raises(ValueError):
+            PeriodicGrid(shape, lengths)
+
+
+def test_filtered_noise_is_band_limited_and_reproducible():
+    grid = PeriodicGrid((8, 10, 12), (2 * math.pi, 2 * math.pi, 4.0))
+
+    def draw(seed: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return filtered_noise(grid, lambda k: torch.exp(-k), gen, (2,), max_wavenumber=2.5,
+                              dtype=DT64)
+
+    a = draw(0)
+    assert a.shape == (2, 8, 10, 12) and a.dtype == DT64
+    torch.testing.assert_close(a, draw(0), rtol=0, atol=0)
+    assert float((a - draw(1)).abs().max()) > 1e-2
+    h = grid.to_spectral(a).abs()
+    ops = grid_operators(grid, DT64)
+    outside = (ops.mask == 0) | (ops.k2 > 2.5**2 + 1e-9)
+    assert float(h[:, outside].max()) < 1e-15
+    assert float(h[:, ~outside].max()) > 1e-2

@@ -13,16 +13,9 @@ from deepsolve.pinn.chunked import _mse_contribution
 
 F64 = torch.float64
 # torch's forward-mode decompositions script a few functions on first use (a torch warning)
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated"),
+              pytest.mark.usefixtures("single_thread")]  # conftest: one intra-op thread
 BACKENDS = [("func", "fwd"), ("func", "rev"), ("autograd", "fwd")]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 # ----------------------------------------------------------------------------- closed forms

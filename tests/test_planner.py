@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import rel_strict as rel
 from torch import nn
 
 import deepsolve
@@ -30,10 +31,6 @@ def make_step():
 
     x0 = torch.randn(2**15, 16, dtype=DT, requires_grad=True)
     return step, x0, [w, *net.parameters()]
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def test_profile_measures_sizes_and_is_cached():

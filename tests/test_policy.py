@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import rel
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -19,10 +20,6 @@ from deepsolve.memory import choose, predicted_peak, profile_step
 
 DT = torch.float64
 MUST_SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def make_step():
@@ -266,6 +263,7 @@ def compiled_fft():
     return deepsolve.CompiledPolicy("save_fft")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", [S.store_all(N), S.revolve_tail(N, 3, 5)],
                          ids=lambda s: s.kind)
 def test_compiled_policy_gradients_equal_plain_autograd(schedule, reference, compiled_fft):
@@ -275,6 +273,7 @@ def test_compiled_policy_gradients_equal_plain_autograd(schedule, reference, com
     assert len(compiled_fft._cache) >= 1
 
 
+@pytest.mark.slow
 def test_compiled_policies_shrink_the_measured_tape():
     step, x0 = pointwise_heavy()
     plain = profile_step(step, x0, repeats=1)
@@ -286,6 +285,7 @@ def test_compiled_policies_shrink_the_measured_tape():
     assert keep.base_tape_bytes == plain.tape_bytes
 
 
+@pytest.mark.slow
 def test_compiled_policy_under_a_budget_is_exact(reference, compiled_fft):
     """The planner profiles the compiled policy (its tape read from the compiled graph) and
     hands the caller's object to the executor; gradients equal plain autograd's."""

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import rel
 from torch import nn
 
 import deepsolve
@@ -16,10 +17,6 @@ from deepsolve.physics import Grid, NavierStokes2D, kolmogorov_forcing, random_i
 
 DT = torch.float64
 BF16 = torch.bfloat16
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 def rel_all(grads, ref) -> float:
@@ -188,6 +185,7 @@ def test_bad_snapshot_dtype():
         deepsolve.unroll(step, x0, 4, snapshots=2, snapshot_dtype="bf16")
 
 
+@pytest.mark.slow
 def test_autocast_with_a_compiled_policy():
     """Kept steps recorded by a CompiledPolicy under bf16 autocast: float32 state and
     gradients, close to plain autograd's (the compiled kernels round differently)."""

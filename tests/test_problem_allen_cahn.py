@@ -10,18 +10,20 @@ and writes finite loss terms and metrics.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
 import pathlib
 import sys
 
+import helpers
 import numpy as np
 import pytest
 import torch
 
 from deepsolve.io.h5log import read_log
-from deepsolve.problem import Context, apply_overrides, load_problem
+from deepsolve.problem import load_problem
 from deepsolve.train import train
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "problems" / "allen_cahn_pinn.py"
@@ -29,12 +31,7 @@ TINY = ["n_slices=4", "n_per_slice=16", "width=8", "depth=2", "ref_modes=128", "
         "test_nx=32", "test_nt=11", "eval_every=2", "n_initial=16"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +40,7 @@ def ac():
     return prob, sys.modules[type(prob).__module__]
 
 
-def make_ctx(prob, sets=(), dtype=torch.float64):
-    cfg = apply_overrides(prob.config(), TINY + list(sets))
-    ctx = Context(cfg, torch.device("cpu"), dtype)
-    prob.build(ctx)
-    return ctx
+make_ctx = functools.partial(helpers.make_ctx, base=TINY, dtype=torch.float64)
 
 
 # ----------------------------------------------------------------------------- reference

@@ -6,15 +6,17 @@ defaults (500 steps) are checked for their keys and values only.
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 
+import helpers
 import pytest
 import torch
 
 import deepsolve
 from deepsolve.physics.burgers import derivative
-from deepsolve.problem import Context, apply_overrides, load_problem
+from deepsolve.problem import load_problem
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "problems" / "burgers_assimilation.py"
 SMALL = ["n=64", "steps=120", "obs_times=4", "lbfgs_iters=4"]
@@ -22,12 +24,7 @@ TERMS = {"misfit", "smoothness"}
 METRICS = {"u0_rel_error", "final_rel_error", "obs_rel_error"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +34,7 @@ def problem():
     return prob
 
 
-def make_ctx(problem, sets=(), small=True):
-    cfg = apply_overrides(problem.config(), (SMALL if small else []) + list(sets))
-    ctx = Context(cfg, torch.device("cpu"), torch.float64 if cfg["dtype"] == "float64"
-                  else torch.float32)
-    problem.build(ctx)
-    return ctx
+make_ctx = functools.partial(helpers.make_ctx, base=SMALL)  # the configuration's dtype
 
 
 def loss_of(problem, ctx, it=0):

@@ -3,25 +3,22 @@ ctx.unroll with implicit gradients of every step."""
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 
+import helpers
 import pytest
 import torch
 
 import deepsolve
-from deepsolve.problem import Context, apply_overrides, load_problem
+from deepsolve.problem import load_problem
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "problems" / "implicit_heat.py"
 SMALL = ["steps=24", "obs_every=6"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +28,7 @@ def problem():
     return prob
 
 
-def make_ctx(problem, sets=()):
-    cfg = apply_overrides(problem.config(), SMALL + list(sets))
-    ctx = Context(cfg, torch.device("cpu"), torch.float64)
-    problem.build(ctx)
-    return ctx
+make_ctx = functools.partial(helpers.make_ctx, base=SMALL, dtype=torch.float64)
 
 
 def test_loads_with_defaults(problem):

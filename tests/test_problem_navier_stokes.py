@@ -8,10 +8,11 @@ import os
 from pathlib import Path
 
 import h5py
+import helpers
 import pytest
 import torch
 
-from deepsolve.problem import Context, load_problem
+from deepsolve.problem import load_problem
 
 PROBLEM = Path(__file__).resolve().parents[1] / "problems" / "navier_stokes.py"
 
@@ -22,12 +23,7 @@ TINY = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +33,9 @@ def problem():
 
 
 def make_ctx(problem, data_dir, **over):
-    cfg = problem.config()
-    cfg.update(TINY, data_dir=str(data_dir))
-    cfg.update(over)
-    ctx = Context(cfg, torch.device("cpu"), torch.float32)
-    torch.manual_seed(0)
-    problem.build(ctx)
-    return ctx
+    """TINY, ``data_dir`` and ``over`` stored as they are (no ``--set`` parsing); seed 0."""
+    return helpers.make_ctx(problem, values={**TINY, "data_dir": str(data_dir), **over},
+                            dtype=torch.float32, seed=0)
 
 
 def loss_of(problem, ctx, it=0):

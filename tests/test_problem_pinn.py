@@ -21,19 +21,12 @@ from deepsolve.io.h5log import read_log
 from deepsolve.problem import Context, apply_overrides, load_problem
 from deepsolve.train import train
 
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+pytestmark = [pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated"),
+              pytest.mark.usefixtures("single_thread")]  # conftest: one intra-op thread
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "problems"
 BURGERS = ROOT / "burgers_pinn.py"
 KOVASZNAY = ROOT / "navier_stokes_pinn.py"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def module_of(path):
@@ -273,6 +266,7 @@ def test_float32_run_without_switch_stays_float32(tmp_path):
     assert all(v.dtype == torch.float32 for v in state["model"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
                     reason="torch.compile needs a C++ compiler on CPU")
 def test_compiled_residual_equals_eager():

@@ -99,6 +99,7 @@ def test_readme_commands_run_in_order(tmp_path):
     assert ran >= 6
 
 
+@pytest.mark.slow
 def test_readme_example_prints_what_its_comment_says(tmp_path):
     code = _blocks(_section("Gradients through 5000"), "python")[0]
     want = re.search(r"#\s*(\d+) \.\.\. (\d+) \.\.\. (\d+)", code).groups()

@@ -422,6 +422,62 @@ def test_an_invalid_problem_leaves_no_run_directory(tmp_path, capsys):
     assert not out.exists()
 
 
+GOOD_BUILD = "        ctx.model = torch.nn.Linear(1, 1)\n"
+CRASHING_BUILD = "        raise RuntimeError('the mesh file is missing')\n"
+
+
+def _problem(path: Path, build_body: str = GOOD_BUILD, head: str = "") -> Path:
+    path.write_text(head + "import torch\nimport deepsolve\n"
+                    "class P(deepsolve.Problem):\n"
+                    "    defaults = {'iterations': 2}\n"
+                    "    def build(self, ctx):\n" + build_body +
+                    "    def residuals(self, ctx, it):\n"
+                    "        return {'w': (ctx.model.weight ** 2).sum()}\n"
+                    "problem = P()\n")
+    return path
+
+
+@pytest.mark.slow
+def test_a_crash_inside_build_leaves_no_run_directory(tmp_path):
+    """A problem whose build raises (a bug, a missing file): the trainer's error, and the
+    run directory it had made is gone, so the same command runs once the file is fixed."""
+    path = _problem(tmp_path / "p.py", CRASHING_BUILD)
+    out = tmp_path / "D"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    argv = [sys.executable, "-m", "deepsolve", "train", str(path), "--out", str(out), "--quiet"]
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "the mesh file is missing" in res.stderr
+    assert not out.exists()
+    _problem(path)                                          # fixed
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert iterations(out) == [0, 1]
+
+
+def test_failures_before_training_leave_no_run_directory(tmp_path, capsys):
+    """build raising, the problem file failing to import, an invalid configuration: no run
+    directory afterwards (in-process); a directory that was there before is kept."""
+    out = tmp_path / "D"
+    crash = _problem(tmp_path / "crash.py", CRASHING_BUILD)
+    with pytest.raises(RuntimeError, match="the mesh file is missing"):
+        cli("train", crash, "--out", out, "--quiet")
+    assert not out.exists()
+    broken = _problem(tmp_path / "broken.py", head="import no_such_module_here\n")
+    assert cli("train", broken, "--out", out, "--quiet") == 2
+    assert "No module named 'no_such_module_here'" in one_line_error(capsys)
+    assert not out.exists()
+    good = _problem(tmp_path / "good.py")
+    assert cli("train", good, "--out", out, "--quiet", "--set", "iterations=two") == 2
+    assert "iterations=two" in one_line_error(capsys)
+    assert not out.exists()
+    out.mkdir()                                             # the user's own directory
+    with pytest.raises(RuntimeError, match="the mesh file is missing"):
+        cli("train", crash, "--out", out, "--quiet")
+    assert out.is_dir() and not list(out.iterdir())         # kept, and left as it was
+    assert cli("train", good, "--out", out, "--quiet") == 0
+    assert iterations(out) == [0, 1]
+
+
 def test_out_at_a_file_is_one_line(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")

@@ -161,6 +161,7 @@ def _stop(proc):
     proc.communicate(timeout=60)
 
 
+@pytest.mark.slow
 def test_sigterm_then_resume_gives_a_complete_log(tmp_path):
     """SIGTERM while iteration 7 runs (the trainer waits at its gate, so its handler is
     installed and it cannot have finished): it completes iteration 7, writes the restart file
@@ -363,16 +364,156 @@ def test_percent_budget_is_resolved_once_and_logged_in_bytes(tmp_path, monkeypat
     assert len(set(got.tolist())) == 3 and np.all(np.diff(got) > 0)
 
 
-def test_bad_budget_fails_before_any_work_and_leaves_no_directory(tmp_path, capsys):
+def _no_build(monkeypatch):
+    """Make the problem's build a test failure: the settings must fail before it."""
+    import deepsolve.train as T
+
+    def build(*a, **k):
+        raise AssertionError("build was called for an invalid configuration")
+
+    monkeypatch.setattr(T, "build", build)
+
+
+def test_bad_budget_fails_before_any_work_and_leaves_no_directory(tmp_path, capsys,
+                                                                  monkeypatch):
     out = tmp_path / "run"
-    t0 = time.perf_counter()
-    rc = run_cli("train", TINY, "--out", out, "--budget", "12 parsecs")
+    with monkeypatch.context() as m:
+        _no_build(m)
+        t0 = time.perf_counter()
+        rc = run_cli("train", TINY, "--out", out, "--budget", "12 parsecs")
+        took = time.perf_counter() - t0
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and "12 parsecs" in err
-    assert time.perf_counter() - t0 < 5
+    assert "--budget" in err and "MiB" in err     # names the setting and what to give
+    assert took < 1.0, took
     assert not out.exists()
     assert run_cli("train", TINY, "--out", out, "--budget", "1MiB", "--iterations", 2,
                    "--quiet") == 0                 # fixed: the same --out works
+
+
+# ------------------------------------------------- the run configuration, checked before work
+
+NS = os.path.join(ROOT, "problems", "navier_stokes.py")
+#: The smallest Navier-Stokes run worth a test: one trajectory of 4 coarse steps (16^2) against
+#: a 32^2 reference, a 4-channel CNN; a few seconds with the reference generated.
+NS_TINY = ["fine_n=32", "coarse_n=16", "dt=0.02", "steps=4", "obs_every=4", "spinup=0.02",
+           "n_train=1", "n_test=1", "batch=1", "width=4", "depth=2", "iterations=1"]
+
+
+def _deepsolve(cwd, *args, timeout=120) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "deepsolve", *map(str, args)], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    return res, time.perf_counter() - t0
+
+
+def _ns_sets(tmp_path) -> list[str]:
+    sets = NS_TINY + [f"data_dir={tmp_path / 'data'}", f"cache_dir={tmp_path / 'cache'}"]
+    return [a for kv in sets for a in ("--set", kv)]
+
+
+def _fails_at_once(res, took: float, *named: str) -> str:
+    """Exit code 2 within 5 s (the interpreter and torch starting included), one line on
+    stderr naming ``named``, no traceback."""
+    err = res.stderr.strip()
+    assert res.returncode == 2, res.stderr
+    assert took < 5, f"{took:.1f} s"
+    assert len(err.splitlines()) == 1 and err.startswith("deepsolve train: error:"), err
+    for text in named:
+        assert text in err, (text, err)
+    return err
+
+
+@pytest.mark.slow
+def test_a_bad_budget_fails_in_seconds_and_the_same_command_fixed_runs(tmp_path):
+    """``deepsolve train problems/navier_stokes.py --budget "12 parsecs" --out D``: one line
+    naming the budget, no D; the same command with a budget that parses trains into D."""
+    out = tmp_path / "D"
+    sets = _ns_sets(tmp_path)
+    res, took = _deepsolve(tmp_path, "train", NS, "--budget", "12 parsecs", "--out", out, *sets)
+    _fails_at_once(res, took, "--budget", "12 parsecs", "'parsecs'", "MiB")
+    assert not out.exists() and not (tmp_path / "data").exists()   # nothing made
+    res, _ = _deepsolve(tmp_path, "train", NS, "--budget", "256KiB", "--out", out, "--quiet",
+                        *sets)
+    assert res.returncode == 0, res.stderr
+    log = read_log(out / "log.h5")
+    assert log.n_rows == 1 and log.attrs["budget_bytes"] == 256 * 1024
+    assert log.attrs["config"]["budget"] == "256KiB"   # the settings, as given, recorded
+
+
+BAD_SETTINGS = [
+    (["--device", "tpu"], ["--device tpu", "cpu, cuda or cuda:N"]),
+    (["--device", "cpu:3"], ["--device cpu:3", "--device cpu"]),
+    (["--set", "stepz=3"], ["--set stepz", "unknown setting", "did you mean steps?"]),
+    (["--set", "lr=fast"], ["--set lr=fast", "expected a number"]),
+    (["--set", "dtype=float8"], ["--dtype float8", "float32"]),
+    (["--set", "budget_once=sometimes"], ["budget_once=sometimes", "true or false"]),
+]
+if not torch.cuda.is_available():
+    BAD_SETTINGS.append((["--device", "cuda"], ["--device cuda", "not available", "cpu"]))
+if torch.cuda.device_count() <= 7:
+    BAD_SETTINGS.append((["--device", "cuda:7"], ["--device cuda:7", "--device"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad,named", BAD_SETTINGS, ids=[" ".join(b) for b, _ in BAD_SETTINGS])
+def test_a_bad_device_or_set_fails_in_seconds_and_leaves_no_directory(tmp_path, bad, named):
+    out = tmp_path / "D"
+    res, took = _deepsolve(tmp_path, "train", NS, "--out", out, *_ns_sets(tmp_path), *bad)
+    _fails_at_once(res, took, *named)
+    assert not out.exists() and not (tmp_path / "data").exists()
+    assert run_cli("train", TINY, "--out", out, "--iterations", 1, "--quiet") == 0  # free
+
+
+def test_the_run_configuration_is_frozen_and_parsed():
+    import dataclasses
+    from types import MappingProxyType
+
+    from deepsolve.config import ConfigError, RunConfig, run_config
+
+    problem, _ = load_problem(TINY)
+    cfg = run_config(problem, {"budget": "2KiB", "iterations": 5, "device": None},
+                     ["dtype=float64", "threads=2"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg["iterations"] == 5 and cfg["dt"] == 0.02 and cfg.get("nothing") is None
+    assert cfg.budget_bytes == 2048 and cfg.device == torch.device("cpu")
+    assert cfg.dtype is torch.float64 and cfg.threads == 2
+    with pytest.raises(TypeError):
+        cfg["iterations"] = 6                              # read-only
+    with pytest.raises(TypeError):
+        del cfg["iterations"]
+    with pytest.raises(TypeError):
+        cfg.settings["iterations"] = 6
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.budget_bytes = 1
+    assert isinstance(cfg.settings, MappingProxyType)
+    d = cfg.as_dict()                                      # what is persisted: a plain dict
+    assert type(d) is dict and d == dict(cfg) and d["budget"] == "2KiB"
+    d["iterations"] = 99
+    assert cfg["iterations"] == 5                          # a copy
+    more = cfg.replace(iterations=7)                       # a change is a new, checked one
+    assert more["iterations"] == 7 and cfg["iterations"] == 5
+    with pytest.raises(ConfigError, match="12 parsecs"):
+        cfg.replace(budget="12 parsecs")
+    with pytest.raises(ConfigError, match=r"setting iterations='5' is a str, not an integer"):
+        run_config(problem, {"iterations": "5"})
+    with pytest.raises(ConfigError, match="did you mean steps"):
+        run_config(problem, {"stepz": 3})
+    assert run_config(problem).budget_bytes is None        # no budget
+
+
+def test_plan_and_check_check_the_settings_before_building(tmp_path, capsys, monkeypatch):
+    _no_build(monkeypatch)
+    assert run_cli("plan", TINY, "--budget", "12 parsecs") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deepsolve plan: error: --budget") and "12 parsecs" in err
+    assert err.count("\n") == 1
+    assert run_cli("check", TINY, "--device", "tpu") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("deepsolve check: error: --device tpu") and err.count("\n") == 1
+    assert run_cli("check", TINY, "--set", "stepz=4") == 2
+    assert "did you mean steps?" in capsys.readouterr().err
 
 
 def test_resume_with_changed_settings(tmp_path, capsys):

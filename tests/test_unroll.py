@@ -6,16 +6,13 @@ import weakref
 
 import pytest
 import torch
+from helpers import rel as rel_err
 from torch import nn
 
 from deepsolve import schedules as S
 from deepsolve.unroll import UnrollStats, unroll
 
 DT = torch.float64
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
 class Counter:
@@ -396,6 +393,7 @@ def test_autocast_is_replayed():
         assert rel_err(a, b) <= 2e-2
 
 
+@pytest.mark.slow
 def test_compiled_step():
     torch.manual_seed(9)
     lin = nn.Linear(4, 4).to(DT)
