@@ -17,12 +17,13 @@ from torch.utils import _pytree as pytree
 
 from .engine import HostStorage, UnrollStats, execute
 from .memory import BudgetError, device_capacity, format_bytes
+from .memory.budget import parse_budget
 from .memory.offload import DiskStorage
 from .memory.planner import online_snapshots
 from .memory.planner import plan as make_plan
 from .memory.profiling import profile_step
 from .memory.strategies import Budget, Online, StoreAll, Strategy, as_strategy
-from .schedules import Schedule, online, store_all
+from .schedules import Schedule, online, revolve, store_all
 
 __all__ = ["unroll", "UnrollStats"]
 
@@ -45,6 +46,8 @@ def unroll(
     stats: UnrollStats | None = None,
     policy: str | Callable | Sequence | None = None,
     snapshot_dtype: torch.dtype | None = None,
+    adjoint_hook: Callable[[int, Any], Any] | None = None,
+    truncate: int | None = None,
 ) -> Any:
     """Run ``x_{i+1} = step(x_i, i)`` for ``n_steps`` steps with checkpointed, exact gradients.
 
@@ -115,6 +118,18 @@ def unroll(
             start from rounded states and the gradients carry that error (measured in
             docs/inside-step.md). The budget planner counts the smaller snapshots.
 
+        adjoint_hook: ``fn(i, adjoint) -> adjoint | None``, called in the reverse sweep on
+            the adjoint ``dL/dx_i`` (the state's structure; ``i = n .. 0``) before it flows
+            into step ``i - 1``: clip, rescale or mask it. The same gradients as
+            ``x_i.register_hook`` on every state of a plain loop. Norms of the adjoints:
+            ``stats=UnrollStats(adjoint_norms=True)``.
+        truncate: ``K``: truncated backpropagation — the adjoint does not cross ``x_K,
+            x_2K, ...`` (the gradients of a plain loop that detaches the state there; losses
+            come from per-step outputs and the final state). Each window is reversed on its
+            own with the strategy's schedule for ``K`` steps (``budget=`` plans one window),
+            so memory is that of one window, whatever ``n``; the windows before the last
+            cost one more unrecorded forward sweep.
+
     Returns:
         ``x_n``, or ``(x_n, outputs)`` where ``outputs`` stacks the per-step outputs along a
         new leading dimension of size ``n`` (leaf-wise for pytrees).
@@ -122,15 +137,24 @@ def unroll(
     Under ``torch.no_grad()`` (or when nothing requires grad) this is the plain loop.
     """
     if until is not None:
+        if truncate is not None:
+            raise ValueError("unroll: truncate= needs a known n_steps, not until=")
         return _unroll_until(step, state, until, max_steps, snapshots, schedule, budget,
                              params, has_output, preserve_rng, stats, n_steps, policy,
-                             snapshot_dtype)
+                             snapshot_dtype, adjoint_hook)
     if n_steps is None:
         raise ValueError("unroll: give n_steps, or until=stop for an unroll of unknown length")
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
         raise ValueError(f"unroll: n_steps must be an integer >= 0, got {n_steps!r}")
     how = as_strategy(schedule, snapshots, budget, offload, spill_dir)
     storage = None
+    if truncate is not None and n_steps > 0 and torch.is_grad_enabled():
+        window, storage, policy = _windows(step, state, n_steps, truncate, how, params,
+                                           policy, snapshot_dtype, stats)
+        return execute(step, state, window, params=params, has_output=has_output,
+                       preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
+                       snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook,
+                       truncate=truncate, n_steps=n_steps)
     if isinstance(how, Budget):
         if n_steps == 0 or not torch.is_grad_enabled():
             sched = store_all(n_steps)
@@ -152,7 +176,51 @@ def unroll(
             _check_store_all_fits(step, state, n_steps, params)
     return execute(step, state, sched, params=params, has_output=has_output,
                    preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
-                   snapshot_dtype=snapshot_dtype)
+                   snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook)
+
+
+def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dtype, stats):
+    """``(window schedule builder, storage, policy)`` of ``truncate=K``: each window of ``K``
+    steps is reversed on its own, so a strategy builds a ``K``-step schedule, and a budget
+    plans one window — beside it the next window's start state and the stacked outputs of
+    all ``n`` steps (the window plan counts ``K`` of them)."""
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+        raise ValueError(f"unroll: truncate must be an integer >= 1 (the window length), got "
+                         f"{K!r}")
+    if isinstance(how, Schedule):
+        raise ValueError("unroll: truncate= builds one schedule per window; give a strategy "
+                         "(Revolve(s), Periodic(k), ...), snapshots= or budget=, not a "
+                         "schedule object built for n_steps")
+    m = min(K, n_steps)
+    if not isinstance(how, Budget):
+        return how.build, None, policy
+    leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    nbytes = parse_budget(how.budget, leaves[0].device if leaves else None)
+    prof = profile_step(step, state, params=params)
+    extra = prof.state_bytes + 2 * (n_steps - m) * prof.output_bytes
+    if nbytes - extra <= 0:
+        raise BudgetError(
+            f"unroll: the budget {format_bytes(nbytes)} cannot hold a truncated unroll of "
+            f"{n_steps} steps: the next window's start state and the stacked outputs alone "
+            f"take {format_bytes(extra)}; raise the budget")
+    p = make_plan(step, state, m, budget=nbytes - extra, params=params, offload=how.offload,
+                  spill_dir=how.spill_dir, policy=policy, snapshot_dtype=snapshot_dtype)
+    if stats is not None:
+        stats.extra["plan"] = p
+    storage = None
+    if p.kind == "two_level":
+        storage = {1: HostStorage() if how.offload == "host" else DiskStorage(how.spill_dir)}
+    strategy = p.strategy
+
+    def window(length: int) -> Schedule:
+        if length == m:
+            return p.schedule
+        try:  # the last window may be shorter
+            return strategy.build(length)
+        except ValueError:
+            return revolve(length, max(1, min(p.snapshots or 1, length)))
+
+    return window, storage, p.policy
 
 
 _CHECK_STORE_ALL_FROM = 10_000  # steps; the profile costs a few step evaluations (cached)
@@ -186,7 +254,8 @@ def _check_store_all_fits(step, state, n_steps: int, params) -> None:
 
 
 def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, params,
-                  has_output, preserve_rng, stats, n_steps, policy, snapshot_dtype):
+                  has_output, preserve_rng, stats, n_steps, policy, snapshot_dtype,
+                  adjoint_hook=None):
     if n_steps is not None:
         raise ValueError("unroll: give n_steps or until=, not both (cap an open-ended unroll "
                          "with max_steps=)")
@@ -209,4 +278,4 @@ def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, pa
                 stats.extra["online_snapshots"] = sched.snapshots
     return execute(step, state, sched, params=params, has_output=has_output,
                    preserve_rng=preserve_rng, stats=stats, until=until, max_steps=max_steps,
-                   policy=policy, snapshot_dtype=snapshot_dtype)
+                   policy=policy, snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook)

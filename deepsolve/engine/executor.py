@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from ..schedules import Schedule
+from ..schedules import Schedule, shifted
 from ..schedules.actions import Free, Reverse, Store
 from ..schedules.check import ScheduleError
 from .graph import constant_leaves, discover, sequence_marker, unseen_leaf
@@ -77,13 +77,21 @@ class UnrollStats(SweepStats):
         extra: further facts: ``"params"`` (number of tensors differentiated), ``"policy"``
             (the recomputation policy of kept tapes, when one is set), ``"snapshot_dtype"``
             (when snapshots are stored in a smaller dtype), ``"plan"`` (with ``budget=``),
-            ``"online_snapshots"`` (with ``until=`` and ``budget=``).
+            ``"online_snapshots"`` (with ``until=`` and ``budget=``), ``"truncate"``
+            (the window length of a truncated unroll).
+        adjoint_norms: give ``True`` to have it filled: after the backward, a float64 CPU
+            tensor of length ``n_steps + 1`` whose entry ``i`` is the 2-norm over all state
+            leaves of the adjoint ``dL/dx_i`` as the reverse sweep computed it (before an
+            ``adjoint_hook`` changes it; NaN where autograd computes none: ``x_0`` of a
+            store-all unroll that does not require grad). ``False`` (default): nothing is
+            computed.
     """
 
     n_steps: int = 0
     snapshots_peak: int = 0
     snapshot_bytes_peak: int = 0
     state_bytes: int = 0
+    adjoint_norms: Any = False
 
 
 class Tape(NamedTuple):
@@ -138,6 +146,15 @@ class UnrollRun(Interpreter):
         self.stop: dict = {}
         self.marker = 0
         self.frontier = 0  # outputs of steps < frontier are in the stacked outputs
+        # the reverse sweep's watch on the adjoints: norms, the user's hook
+        self.norms: list | None = None
+        self.hook: Callable | None = None
+        self.watch = False
+        self.want_norms = False
+        # a truncated unroll: window length K, the window schedules, x_0, its RNG state
+        self.window: Callable[[int], Schedule] | None = None
+        self.K = 0
+        self.last = 0
 
     def _new_snapshot_peak(self) -> None:
         if self.stats is not None:
@@ -249,6 +266,36 @@ class UnrollRun(Interpreter):
         self.frontier = 0
         outs: list[torch.Tensor] = []
         cur, rev = self._to_first_reverse([t.detach() for t in x0], outs)
+        return self._forward_end(cur, rev, outs, t0)
+
+    def forward_truncated(self, x0: list[torch.Tensor], K: int,
+                          window: Callable[[int], Schedule]):
+        """The forward sweep of a truncated unroll (windows ``[a, a + K)``, no adjoint across
+        ``i = K, 2K, ...``): steps ``0 .. last - 1`` unrecorded (``last``: the start of the
+        last window), then the last window's schedule up to its first Reverse. The other
+        windows are reversed in the backward, in forward order from ``x_0``, each with its
+        own schedule, so that only one window's snapshots and tapes are held at a time."""
+        t0 = time.perf_counter()
+        self.marker = sequence_marker()
+        self.frontier = 0
+        self.K, self.window = K, window
+        self.last = last = ((self.n - 1) // K) * K
+        self.x0 = [t.detach() for t in x0]
+        self.rng0 = self.replay.capture()
+        outs: list[torch.Tensor] = []
+        cur = self.x0
+        if last:
+            cur = self._advance(list(cur), 0, last, outs)
+        self.schedule = shifted(window(self.n - last), last)
+        self.actions = iter(self.schedule)
+        self.at, self.adj, self.pos = last, self.n, 0
+        cur, rev = self._run(cur, outs, until_reverse=True)
+        if rev is None:
+            raise ScheduleError(f"unroll: the window schedule {self.schedule!r} has no Reverse")
+        return self._forward_end(cur, rev, outs, t0)
+
+    def _forward_end(self, cur, rev, outs, t0):
+        """The first Reverse of the forward sweep: its step's tape is the pending one."""
         if rev.index in self.tapes:
             tape = self.tapes.pop(rev.index)
         else:
@@ -333,11 +380,78 @@ class UnrollRun(Interpreter):
         self.g_outs = g_outs
         self.grad = list(g_final)
         self.pgrads = GradSum(len(self.params))
+        if self.want_norms:
+            self.norms = [None] * (self.n + 1)
         self.reverse_sweep()
         if self.stats is not None:
             self.stats.backward_time = self.backward_time
             self._fill_stats()
+            if self.norms is not None:
+                self.stats.adjoint_norms = _gather(self.norms)
         return self.grad, self.pgrads.grads
+
+    def _reverse_rest(self) -> None:
+        if self.window is None:
+            return super()._reverse_rest()
+        self._run(None, None, until_reverse=False)  # the last window
+        self._check_reversed(self.last)
+        grad0 = self.grad
+        rng, cur, K = self.rng0, self.x0, self.K
+        for a in range(0, self.last, K):  # the other windows, in forward order from x_0
+            b = a + K
+            self.replay.restore(rng)
+            nxt = self._advance(list(cur), a, b, None)  # the next window's start
+            rng_b = self.replay.capture()
+            self.replay.restore(rng)
+            self._clear_slots()
+            self.schedule = shifted(self.window(K), a)
+            self.actions = iter(self.schedule)
+            self.at, self.adj, self.pos = a, b, 0
+            self.grad = [None] * self.n_state  # the adjoint does not cross x_b
+            self._run(list(cur), None, until_reverse=False)
+            self._check_reversed(a)
+            if a == 0:
+                grad0 = self.grad
+            cur, rng = nxt, rng_b
+        self.grad = grad0
+
+    def _clear_slots(self) -> None:
+        """Forget the snapshots a finished window schedule left stored."""
+        for key in list(self.slots):
+            if key[0] != 0:
+                self._backend(key[0]).drop(key)
+        self.slots.clear()
+        self.n_slots = 0
+        self.snap_bytes = 0
+
+    def _watch(self, i: int) -> None:
+        """The adjoint ``dL/dx_i`` just computed: its norm, and the user's hook."""
+        g = self.grad
+        if self.norms is not None:
+            self.norms[i] = _norm(g, self.step.meta[0][2])
+        if self.hook is not None:
+            meta = self.step.meta
+            leaves = [t if t is not None else torch.zeros(m[0], dtype=m[1], device=m[2])
+                      for t, m in zip(g, meta, strict=True)]
+            new = self.hook(i, unflatten(leaves, self.step.spec))
+            if new is not None:
+                self.grad = self._hooked(new, i)
+
+    def _hooked(self, new: Any, i: int) -> list:
+        flat = [new] if self.step.spec is None else self.step._flat(new)
+        if flat is None or len(flat) != len(self.step.meta):
+            raise TypeError(f"unroll: adjoint_hook returned a {type(new).__name__} at step {i};"
+                            " it must return the adjoint with the state's structure, or None")
+        out = []
+        for k, (t, (shape, dtype, device)) in enumerate(zip(flat, self.step.meta, strict=True)):
+            if not isinstance(t, torch.Tensor) or t.shape != shape or t.dtype != dtype or \
+                    t.device != device:
+                got = (f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+                       else type(t).__name__)
+                raise ValueError(f"unroll: adjoint_hook returned {got} for state leaf {k} at "
+                                 f"step {i}; expected {tuple(shape)} {dtype} on {device}")
+            out.append(t if self.rg[k] else None)
+        return out
 
     def _keep(self, cur: list[torch.Tensor], i: int, outs) -> list[torch.Tensor]:
         tape = self._record(cur, i, True)
@@ -357,8 +471,11 @@ class UnrollRun(Interpreter):
     def _pull(self, tape, i: int):
         """adjoint_i = J_i^T adjoint_{i+1} (+ output terms); accumulate parameter grads."""
         x_in, y, out = tape
+        lam = self.grad
+        if self.watch:
+            lam = self._watch_next(y, out, i)
         roots, seeds = [], []
-        for t, g in zip(y, self.grad, strict=True):
+        for t, g in zip(y, lam, strict=True):
             if g is not None and t.requires_grad:
                 roots.append(t)
                 seeds.append(g)
@@ -370,14 +487,46 @@ class UnrollRun(Interpreter):
         inputs = [t for t in x_in if t.requires_grad] + self.params
         if not roots or not inputs:
             self.grad = [None] * self.n_state
-            return
-        grads = torch.autograd.grad(roots, inputs, seeds, allow_unused=True)
-        it = iter(grads)
-        self.grad = [next(it) if t.requires_grad else None for t in x_in]
-        add = self.pgrads.add
-        for k, g in enumerate(it):
-            if g is not None:
-                add(k, g)
+        else:
+            grads = torch.autograd.grad(roots, inputs, seeds, allow_unused=True)
+            it = iter(grads)
+            self.grad = [next(it) if t.requires_grad else None for t in x_in]
+            add = self.pgrads.add
+            for k, g in enumerate(it):
+                if g is not None:
+                    add(k, g)
+        if self.watch and (i == 0 or (self.window is not None and i % self.K == 0)):
+            self._watch(i)  # x_0, or a window's start (a leaf of the detaching loop)
+
+    def _watch_next(self, y, out, i: int) -> list:
+        """The adjoint of ``x_{i+1}`` as plain autograd holds it — the adjoint pulled back so
+        far plus what step ``i``'s outputs add through ``y = x_{i+1}`` — watched (norm,
+        hook); returns the seed for ``y`` (the watched adjoint less the outputs' part, which
+        the pull adds through their own graph)."""
+        j = i + 1
+        lam = self.grad
+        if self.window is not None and j < self.n and j % self.K == 0:
+            return lam  # a cut: x_j's adjoint flows nowhere (its window watches it)
+        gy = None
+        roots, seeds = [], []
+        for k, o in enumerate(out):
+            g = self.g_outs[k] if k < len(self.g_outs) else None
+            if g is not None and o.requires_grad:
+                roots.append(o)
+                seeds.append(g[i])
+        ys = [t for t in y if t.requires_grad]
+        if roots and ys:
+            found = iter(torch.autograd.grad(roots, ys, seeds, retain_graph=True,
+                                             allow_unused=True))
+            gy = [next(found) if t.requires_grad else None for t in y]
+            self.grad = [a if b is None else (b if a is None else a + b)
+                         for a, b in zip(lam, gy, strict=True)]
+        self._watch(j)
+        lam = self.grad
+        if gy is not None:
+            lam = [a if b is None else (-b if a is None else a - b)
+                   for a, b in zip(lam, gy, strict=True)]
+        return lam
 
     def _fill_stats(self):
         s = self.stats
@@ -386,6 +535,24 @@ class UnrollRun(Interpreter):
         s.snapshots_peak = self.peak_slots
         s.snapshot_bytes_peak = self.peak_snap_bytes
 
+
+
+def _norm(g: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """The 2-norm over all leaves of an adjoint (float64, on ``device``; no host sync)."""
+    parts = [t.detach().abs().double().square().sum().to(device) for t in g if t is not None]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(parts).sum().sqrt()
+
+
+def _gather(norms: list) -> torch.Tensor:
+    """The per-state norms as one float64 CPU tensor (one copy), NaN where none was
+    computed."""
+    out = torch.full((len(norms),), float("nan"), dtype=torch.float64)
+    idx = [i for i, v in enumerate(norms) if v is not None]
+    if idx:
+        out[idx] = torch.stack([norms[i] for i in idx]).cpu()
+    return out
 
 
 class _UnrollFunction(torch.autograd.Function):
@@ -419,6 +586,9 @@ def execute(
     max_steps: int | None = None,
     policy: Any = None,
     snapshot_dtype: torch.dtype | None = None,
+    adjoint_hook: Callable[[int, Any], Any] | None = None,
+    truncate: int | None = None,
+    n_steps: int | None = None,
 ) -> Any:
     """Run ``schedule.n_steps`` steps of ``step`` from ``state`` following ``schedule``.
 
@@ -437,6 +607,13 @@ def execute(
     ``Record`` ranges, and each step of a store-all unroll — under selective activation
     checkpointing; ``None``/``"none"`` costs nothing extra. ``snapshot_dtype`` stores the
     snapshots other than ``x_0`` with their floating leaves cast to that dtype (inexact).
+
+    ``adjoint_hook(i, adjoint) -> adjoint | None`` is called in the reverse sweep on each
+    ``dL/dx_i`` (``i = n .. 0``, the state's structure) before it flows into step ``i - 1``;
+    ``stats.adjoint_norms=True`` records their norms. ``truncate=K``: truncated
+    backpropagation, no adjoint across ``x_K, x_2K, ...``; ``schedule`` is then a function
+    ``length -> Schedule`` building each window's schedule, and ``n_steps`` is given. Both
+    keep every step on the interpreter (store-all included) so the adjoints are explicit.
     """
     context_fn = policy_context(policy)
     recorder = None if context_fn is None else Recorder(
@@ -451,6 +628,25 @@ def execute(
                     "torch.inference_mode()), which autograd cannot record; make x0 outside "
                     "inference_mode, or pass a copy made outside it (x0.clone()), or run the "
                     "unroll under torch.inference_mode() / torch.no_grad() as well")
+    watch = adjoint_hook is not None or bool(stats is not None and stats.adjoint_norms is True)
+    window = None
+    if truncate is not None:
+        if until is not None:
+            raise ValueError("unroll: truncate= needs a known n_steps, not until=")
+        if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1:
+            raise ValueError(f"unroll: truncate must be an integer >= 1 (the window length), "
+                             f"got {truncate!r}")
+        if isinstance(schedule, Schedule) or not callable(schedule) or n_steps is None:
+            raise TypeError("execute: with truncate=, schedule is a function length -> "
+                            "Schedule (each window's) and n_steps is given")
+        window = schedule
+        schedule = window(n_steps) if n_steps <= truncate else _Windows(n_steps, truncate,
+                                                                         window)
+        if n_steps <= truncate:  # one window: nothing is cut
+            window = None
+    if watch and until is not None and schedule is None:
+        raise ValueError("unroll: adjoint_norms/adjoint_hook with until= need snapshots= or "
+                         "budget= (an online schedule)")
     sched = schedule
     fn = Step(step, spec, x0, has_output)
     state_bytes = sum(t.numel() * t.element_size() for t in x0)
@@ -480,15 +676,23 @@ def execute(
             raise TypeError(f"unroll: params[{k}] is a {type(p).__name__}, not a tensor")
 
     grad_on = torch.is_grad_enabled()
-    if not grad_on or sched is None or sched.kind == "store_all":
+    if not grad_on or sched is None or (sched.kind == "store_all" and not watch):
         return _plain_loop(fn, x0, n_steps, spec, grad_on, stats, until, max_steps,
                            recorder if grad_on else None)
 
     ex = UnrollRun(fn, sched, n_steps, len(x0), Replay.of(x0 + explicit, preserve_rng), stats,
                    storage, recorder, snapshot_dtype, x0)
+    if watch:
+        ex.watch = True
+        ex.hook = adjoint_hook
+        ex.want_norms = bool(stats is not None and stats.adjoint_norms is True)
     try:
         if until is not None:
             tape = ex.forward_online(x0, sched.start(), until, max_steps)
+        elif window is not None:
+            if stats is not None:
+                stats.extra["truncate"] = truncate
+            tape = ex.forward_truncated(x0, truncate, window)
         else:
             tape = ex.forward(x0)
         tapes = [tape, *ex.tapes.values()]  # every step the forward sweep recorded
@@ -512,6 +716,23 @@ def execute(
     if not fn.has_output:
         return final
     return final, pytree.tree_unflatten(list(res[len(x0):]), fn.out_spec)
+
+
+class _Windows(Schedule):
+    """The name of a truncated unroll's schedule (its windows' schedules are built as they
+    run): ``n`` steps in windows of ``K``, each reversed by ``window(K)``."""
+
+    kind = "truncated"
+
+    def __init__(self, n_steps: int, K: int, window: Callable[[int], Schedule]):
+        self.n_steps, self.K, self.window = n_steps, K, window
+        self.slots = dict(window(K).slots)
+
+    def __iter__(self):
+        raise TypeError("a truncated unroll's schedule is run window by window")
+
+    def __repr__(self) -> str:
+        return f"truncated(n_steps={self.n_steps}, K={self.K}, window={self.window(self.K)!r})"
 
 
 def _close_all(backends) -> None:

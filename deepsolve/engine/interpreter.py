@@ -339,15 +339,23 @@ class Interpreter:
                 self.pending = None
                 self._pull(tape, i)
                 del tape  # x_{n-1} and the last step's output: not needed any more
-                self._run(None, None, until_reverse=False)
-                if self.adj != 0:
-                    raise ScheduleError(
-                        f"{self.who}: schedule {self.schedule!r} ended with {self.unit}s "
-                        f"0..{self.adj - 1} never reversed (the adjoint is at x_{self.adj}); "
-                        f"every {self.unit} must be reversed exactly once{self.check_hint}")
+                self._reverse_rest()
         finally:
             self.release()
         self.backward_time = time.perf_counter() - t0
+
+    def _reverse_rest(self) -> None:
+        """The rest of the reverse sweep after the pending tape: interpret the actions left."""
+        self._run(None, None, until_reverse=False)
+        self._check_reversed(0)
+
+    def _check_reversed(self, down_to: int) -> None:
+        """Every step from ``down_to`` on has been reversed (the adjoint is at ``down_to``)."""
+        if self.adj != down_to:
+            raise ScheduleError(
+                f"{self.who}: schedule {self.schedule!r} ended with {self.unit}s "
+                f"{down_to}..{self.adj - 1} never reversed (the adjoint is at x_{self.adj}); "
+                f"every {self.unit} must be reversed exactly once{self.check_hint}")
 
     double_backward_hint = "use schedule='store_all' for higher-order derivatives"
     once = ("unroll: backward through a checkpointed unroll can run only once; call unroll "

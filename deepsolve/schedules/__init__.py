@@ -13,7 +13,7 @@ True
 
 from .actions import Action, Advance, Free, Record, Restore, Reverse, Store
 from .base import Schedule
-from .basic import Periodic, StoreAll, periodic, store_all
+from .basic import Periodic, Shifted, StoreAll, periodic, shifted, store_all
 from .check import LevelCounts, ScheduleError, ScheduleStats, check, stats
 from .cost import beta, optimal_cost, repetitions
 from .hetero import ChainCosts, Hetero, hetero, hetero_cost, hetero_peak, least_memory
@@ -26,7 +26,7 @@ from .two_level import TwoLevel, makespan, two_level, two_level_cost
 __all__ = [
     "ChainCosts", "Hetero", "hetero", "hetero_cost", "hetero_peak", "least_memory",
     "Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse",
-    "Schedule", "Revolve", "StoreAll", "Periodic", "TwoLevel", "Mixed",
+    "Schedule", "Revolve", "StoreAll", "Periodic", "TwoLevel", "Mixed", "Shifted", "shifted",
     "revolve", "store_all", "periodic", "two_level", "two_level_cost", "makespan",
     "mixed", "mixed_cost", "peak_units", "RevolveTail", "revolve_tail", "revolve_tail_cost",
     "Online", "OnlineController", "OnlineSchedule", "online",

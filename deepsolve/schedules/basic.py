@@ -8,7 +8,7 @@ from .actions import Action, Advance, Free, Record, Restore, Reverse, Store
 from .base import Schedule
 from .cost import _check
 
-__all__ = ["StoreAll", "Periodic", "store_all", "periodic"]
+__all__ = ["StoreAll", "Periodic", "Shifted", "store_all", "periodic", "shifted"]
 
 
 class StoreAll(Schedule):
@@ -94,3 +94,43 @@ def store_all(n_steps: int) -> StoreAll:
 def periodic(n_steps: int, every: int | None = None) -> Periodic:
     """Uniform checkpoints every ``every`` steps; see :class:`Periodic`."""
     return Periodic(n_steps, every)
+
+
+class Shifted(Schedule):
+    """``schedule`` for steps ``offset .. offset + n - 1`` of a longer chain: every action's
+    step indices moved by ``offset`` (slots and levels unchanged). A truncated unroll reverses
+    each window ``[a, a + K)`` with the window's own schedule shifted by ``a``."""
+
+    def __init__(self, schedule: Schedule, offset: int):
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be an integer >= 0, got {offset!r}")
+        self.schedule = schedule
+        self.offset = offset
+        self.n_steps = schedule.n_steps
+        self.slots = dict(schedule.slots)
+        self.kind = schedule.kind
+
+    def __iter__(self) -> Iterator[Action]:
+        d = self.offset
+        if d == 0:
+            yield from self.schedule
+            return
+        for a in self.schedule:
+            t = type(a)
+            if t is Advance or t is Record:
+                yield t(a.start + d, a.stop + d)
+            elif t is Reverse:
+                yield Reverse(a.index + d)
+            else:
+                yield t(a.slot, a.index + d, a.level)
+
+    def _params(self) -> str:
+        return f"offset={self.offset}, schedule={self.schedule!r}"
+
+    def __repr__(self) -> str:
+        return f"shifted({self.schedule!r}, offset={self.offset})"
+
+
+def shifted(schedule: Schedule, offset: int) -> Shifted:
+    """``schedule`` moved to steps ``offset ..`` of a longer chain (see :class:`Shifted`)."""
+    return Shifted(schedule, offset)
