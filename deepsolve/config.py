@@ -162,8 +162,54 @@ def config_from_settings(settings: Mapping[str, Any], defaults: Mapping[str, Any
     device = parse_device(name_here)
     threads = resolve_threads(cfg.get("threads", 0))
     budget = _parse_budget(cfg.get("budget"), device)
+    stages = parse_curriculum(cfg.get("curriculum", ""))
+    if stages and "steps" in cfg and max(n for _, n in stages) > int(cfg["steps"]):
+        raise ConfigError(f"--set curriculum={cfg['curriculum']}: its longest stage "
+                          f"({max(n for _, n in stages)} steps) exceeds steps={cfg['steps']}, "
+                          "the horizon the problem's data is made for; raise --steps or "
+                          "shorten the stage")
     return RunConfig(MappingProxyType(copy.deepcopy(cfg)), device, DTYPES[dtype_name],
                      threads, budget, MappingProxyType(defaults))
+
+
+def parse_curriculum(text: Any) -> tuple[tuple[int, int], ...]:
+    """The stages of ``--set curriculum=0:50,200:400,600:2000``: ``((start_iteration,
+    steps), ...)``, starts strictly increasing from 0, steps >= 1; ``""``: none. One-line
+    :class:`ConfigError` otherwise."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return ()
+    hint = ("give stages start:steps from iteration 0 on, e.g. --set "
+            "curriculum=0:50,200:400,600:2000")
+    if not isinstance(text, str):
+        raise ConfigError(f"--set curriculum={text!r}: not a list of stages; {hint}")
+    stages = []
+    for part in text.split(","):
+        a, sep, b = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            start, steps = int(a), int(b)
+        except ValueError:
+            raise ConfigError(f"--set curriculum={text}: stage {part.strip()!r} is not "
+                              f"start:steps; {hint}") from None
+        if steps < 1 or start < 0 or (stages and start <= stages[-1][0]):
+            raise ConfigError(f"--set curriculum={text}: stage {part.strip()!r} needs steps >= "
+                              "1 and a start after the previous stage's; " + hint)
+        stages.append((start, steps))
+    if stages[0][0] != 0:
+        raise ConfigError(f"--set curriculum={text}: the first stage must start at iteration "
+                          f"0; {hint}")
+    return tuple(stages)
+
+
+def horizon(stages: tuple[tuple[int, int], ...], iteration: int) -> int:
+    """The unroll length of ``iteration`` under curriculum ``stages``."""
+    n = stages[0][1]
+    for start, steps in stages:
+        if start > iteration:
+            break
+        n = steps
+    return n
 
 
 def parse_device(name: Any) -> torch.device:

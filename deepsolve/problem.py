@@ -70,6 +70,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "progress_every": 30.0,  # seconds between progress lines when stderr is not a terminal
     "budget_once": True,     # resolve a "%" budget once at the start (False: every unroll)
     "cache_dir": "runs/cache",  # where ctx.cache keeps a problem's derived data
+    "curriculum": "",        # unroll horizon by iteration, "0:50,200:400" ("" = steps throughout)
 }
 
 
@@ -151,6 +152,8 @@ class Context:
         self.cached: dict[str, tuple[str, bool]] = {}
         self._bound: dict = {}
         self._capturing = False
+        #: the unroll length of this iteration: ``cfg.steps``, or the curriculum's stage
+        self.horizon = int(cfg.get("steps", 0) or 0)
 
     def cache(self, name: str, key: Mapping[str, Any], compute: Callable[[], Mapping[str, Any]],
               *, directory: str | None = None,
@@ -173,10 +176,11 @@ class Context:
     def unroll_request(self, step: Callable, state: Any, n_steps: int | None = None,
                        **kw: Any) -> UnrollRequest:
         """What ``ctx.unroll(step, state, n_steps, **kw)`` runs: ``n_steps`` defaults to
-        ``cfg.steps``; ``budget``/``snapshots`` come from the configuration unless the call
-        gives a budget, snapshots or a schedule; a problem method ``problem.step(ctx, x, i)``
+        :attr:`horizon` (``cfg.steps``, or the stage of ``--set curriculum=...``);
+        ``budget``/``snapshots`` come from the configuration unless the call gives a
+        budget, snapshots or a schedule; a problem method ``problem.step(ctx, x, i)``
         becomes ``step(x, i)`` (one closure per method, so the step profile is cached)."""
-        n = self.cfg.steps if n_steps is None else n_steps
+        n = self.horizon if n_steps is None else n_steps
         if "budget" not in kw and "snapshots" not in kw and "schedule" not in kw:
             if self.budget:
                 kw["budget"] = self.budget

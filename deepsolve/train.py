@@ -53,9 +53,12 @@ from .config import (
     ConfigError,
     RunConfig,
     config_from_settings,
+    horizon,
+    parse_curriculum,
     resolve_threads,
     run_config,
 )
+from .memory.budget import BudgetError
 from .memory.meter import host_high_water_mark, process_status, reset_high_water_mark
 from .problem import Context, Problem, ProblemError, load_problem
 
@@ -811,6 +814,9 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ProblemError(f"{problem_path}: ctx.model has no trainable parameters")
+        stages = parse_curriculum(cfg["curriculum"])
+        if stages:  # the longest stage must fit before the first iteration
+            _check_curriculum(problem_path, problem, ctx, stages)
         optimizer = problem.optimizer(ctx, params)
         scheduler = getattr(problem, "scheduler", lambda ctx, opt: None)(ctx, optimizer)
         start = run.start
@@ -875,11 +881,15 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
             host_base = process_status("VmRSS:")  # the run's baseline for the real peak
             for it in range(start, iterations):
                 D.broadcast_buffers(dist, model)
+                if stages:
+                    ctx.horizon = horizon(stages, it)
                 row, last_loss = _iteration(problem, ctx, model, params, optimizer, scheduler,
                                             weights, it, clip, closure_opt,
                                             track and it % memory_every == 0,
                                             MemoryMeter, dist, host_base)
                 row["budget_bytes"] = _budget_bytes(ctx)
+                if stages:
+                    row["n_steps"] = int(ctx.horizon)
                 _add_rank_peaks(dist, log, row, ctx.device)
                 _fit_memory_columns(log, row)
                 last = it == iterations - 1
@@ -911,6 +921,34 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
             bar.close()
     return TrainResult(run_dir, log_path, restart_path, it, last_loss, preempted, dist.rank,
                        metrics)
+
+
+def _check_curriculum(problem_path: str, problem, ctx, stages) -> None:
+    """Plan the problem's unroll at the curriculum's longest horizon under the run's budget
+    (the first ``ctx.unroll`` of ``residuals(ctx, 0)``, not run; random generators left as
+    they were): a horizon that does not fit fails now, with the minimum it needs, not at the
+    stage where it starts."""
+    longest = max(n for _, n in stages)
+    if not ctx.budget:
+        return
+    from .memory.planner import plan
+
+    state = ctx.generator.get_state()
+    old = ctx.horizon
+    ctx.horizon = longest
+    try:
+        with torch.random.fork_rng(devices=[]):
+            req = ctx.first_unroll(lambda: problem.residuals(ctx, 0))
+            if req is None or "budget" not in req.options:
+                return
+            try:
+                plan(req.step, req.state, req.n_steps, budget=req.options["budget"])
+            except BudgetError as e:
+                raise BudgetError(f"--set curriculum: its longest stage ({longest} steps) does "
+                                  f"not fit the budget: {e}") from None
+    finally:
+        ctx.horizon = old
+        ctx.generator.set_state(state)
 
 
 def _add_rank_peaks(dist, log, row, device) -> None:

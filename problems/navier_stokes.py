@@ -424,7 +424,7 @@ class NavierStokesClosure(deepsolve.Problem):
         return idx
 
     def residuals(self, ctx, iteration):
-        steps = int(ctx.cfg.steps)
+        steps = int(ctx.horizon)  # cfg.steps, or the stage of --set curriculum=...
         idx = self.batch_indices(ctx, iteration)
         if idx.numel() == 0:
             raise ValueError(f"batch={ctx.cfg.batch} is smaller than the number of processes "
@@ -433,7 +433,13 @@ class NavierStokesClosure(deepsolve.Problem):
         ref = ctx.data["train"][idx].transpose(0, 1)  # (n_times, B, N, N)
         ctx.data["batch_ref"] = ref
         _, (sq, closure) = ctx.unroll(self.step, ref[0], steps)
-        rel = sq.index_select(0, ctx.data["obs_rows"]).sqrt()  # (n_obs, B) at the obs times
+        rows = ctx.data["obs_rows"]
+        rows = rows[rows < steps]  # the observations within this horizon
+        if rows.numel() == 0:
+            raise ValueError(f"a horizon of {steps} steps ends before the first observation "
+                             f"(step {int(ctx.data['obs_rows'][0]) + 1}); start the curriculum "
+                             "at that many steps or more")
+        rel = sq.index_select(0, rows).sqrt()  # (n_obs, B) at the obs times
         return {"misfit": rel.mean(), "closure": closure.mean()}
 
     def rollout(self, ctx, omega: torch.Tensor, n_steps: int, closure: bool = True):

@@ -1,0 +1,75 @@
+"""The horizon curriculum (``--set curriculum=0:50,200:400``): parsed and checked with the
+run's settings, applied per iteration, logged as ``n_steps``, and its longest stage planned
+before the first iteration."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from deepsolve.config import ConfigError, horizon, parse_curriculum
+from deepsolve.io import read_log
+from deepsolve.memory import BudgetError
+from deepsolve.train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NS = os.path.join(ROOT, "problems", "navier_stokes.py")
+NS_TINY = ["fine_n=32", "coarse_n=16", "dt=0.02", "steps=8", "obs_every=4", "spinup=0.02",
+           "n_train=1", "n_test=1", "batch=1", "width=4", "depth=2"]
+
+
+def test_stages_parse_and_give_the_horizon_of_each_iteration():
+    stages = parse_curriculum("0:50, 200:400,600:2000")
+    assert stages == ((0, 50), (200, 400), (600, 2000))
+    assert [horizon(stages, i) for i in (0, 199, 200, 599, 600, 10**6)] == \
+        [50, 50, 400, 400, 2000, 2000]
+    assert parse_curriculum("") == ()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("10:50", "must start at iteration 0"),
+    ("0:50,0:60", "a start after the previous"),
+    ("0:50,100:0", "steps >= 1"),
+    ("0-50", "is not start:steps"),
+    ("0:fifty", "is not start:steps"),
+])
+def test_bad_curricula_are_one_line_errors(text, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_curriculum(text)
+    assert "\n" not in str(err.value)
+
+
+def _sets(tmp_path, *extra):
+    return [*NS_TINY, f"data_dir={tmp_path / 'data'}", f"cache_dir={tmp_path / 'cache'}",
+            *extra]
+
+
+def test_a_stage_longer_than_steps_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="exceeds steps=8"):
+        train(NS, sets=_sets(tmp_path, "curriculum=0:4,2:16", "iterations=3"), out=str(out),
+              quiet=True)
+    assert not out.exists() and not (tmp_path / "data").exists()
+
+
+def test_a_curriculum_run_logs_its_stages_and_one_plan_each(tmp_path):
+    out = tmp_path / "run"
+    res = train(NS, sets=_sets(tmp_path, "curriculum=0:4,2:8", "iterations=4", "budget=256KiB",
+                               "eval_every=0"), out=str(out), quiet=True)
+    assert res.iterations == 4
+    log = read_log(out / "log.h5")
+    assert list(log.columns["n_steps"]) == [4, 4, 8, 8]
+    sched = [str(s) for s in log.columns["schedule"]]
+    assert sched[0] == sched[1] and sched[2] == sched[3]
+    assert "n_steps=4" in sched[0] and "n_steps=8" in sched[2]
+    assert list(log.columns["recorded"]) == [4, 4, 8, 8]   # every step reversed once, each stage
+
+
+def test_a_longest_stage_that_does_not_fit_fails_before_the_first_iteration(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(BudgetError, match="longest stage \\(8 steps\\)") as err:
+        train(NS, sets=_sets(tmp_path, "curriculum=0:4,2:8", "iterations=4", "budget=2KiB"),
+              out=str(out), quiet=True)
+    assert "minimum" in str(err.value) and "\n" not in str(err.value)
+    assert not out.exists()   # no log, no restart file: the same command can run again
