@@ -71,6 +71,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "budget_once": True,     # resolve a "%" budget once at the start (False: every unroll)
     "cache_dir": "runs/cache",  # where ctx.cache keeps a problem's derived data
     "curriculum": "",        # unroll horizon by iteration, "0:50,200:400" ("" = steps throughout)
+    "adjoint_every": 0,      # log the adjoint norms of one unroll every N iterations (0 = off)
 }
 
 
@@ -88,6 +89,7 @@ SETTING_RANGES: dict[str, tuple[type, float, str]] = {
     "memory_every": (int, 1, ">= 1"),
     "threads": (int, 0, ">= 0 (0: the default, see docs/problems.md)"),
     "progress_every": (float, 0.0, ">= 0 (seconds; 0: a line every iteration)"),
+    "adjoint_every": (int, 0, ">= 0 (0: no adjoint norms logged)"),
 }
 
 
@@ -154,6 +156,8 @@ class Context:
         self._capturing = False
         #: the unroll length of this iteration: ``cfg.steps``, or the curriculum's stage
         self.horizon = int(cfg.get("steps", 0) or 0)
+        #: the next ``ctx.unroll`` records its adjoint norms (the trainer's adjoint_every)
+        self.want_adjoint_norms = False
 
     def cache(self, name: str, key: Mapping[str, Any], compute: Callable[[], Mapping[str, Any]],
               *, directory: str | None = None,
@@ -201,6 +205,9 @@ class Context:
         if self._capturing:
             raise _FirstUnroll(req)
         stats = req.options.pop("stats", None) or UnrollStats()
+        if self.want_adjoint_norms:
+            stats.adjoint_norms = True
+            self.want_adjoint_norms = False
         self.unroll_stats.append(stats)
         return unroll(req.step, req.state, req.n_steps, stats=stats, **req.options)
 

@@ -561,6 +561,9 @@ class _NoLog:
     def truncate_after(self, iteration):
         return 0
 
+    def append_curve(self, *args):
+        pass
+
 
 _UNSUPPORTED_LOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF, errno.EINVAL, errno.ENOSYS}
 
@@ -844,7 +847,8 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             log = H5Log(log_path, attrs=attrs, resume=run.resume_log, keep_through=start - 1,
-                        locking=locking)
+                        locking=locking,
+                        curves=("adjoint_norms",) if int(cfg["adjoint_every"]) else ())
         for w in caught:
             _note(" ".join(str(w.message).split()))
     else:
@@ -853,6 +857,7 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
     eval_every = int(cfg["eval_every"])
     ckpt_every = max(int(cfg["checkpoint_every"]), 1)
     clip = float(cfg["grad_clip"]) or math.inf
+    adjoint_every = int(cfg["adjoint_every"])
     track = ctx.device.type == "cpu" and bool(cfg["budget"])
     memory_every = max(int(cfg.get("memory_every", 1)), 1)
     closure_opt = isinstance(optimizer, torch.optim.LBFGS)
@@ -883,6 +888,8 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
                 D.broadcast_buffers(dist, model)
                 if stages:
                     ctx.horizon = horizon(stages, it)
+                adjoint = adjoint_every and it % adjoint_every == 0
+                ctx.want_adjoint_norms = bool(adjoint)
                 row, last_loss = _iteration(problem, ctx, model, params, optimizer, scheduler,
                                             weights, it, clip, closure_opt,
                                             track and it % memory_every == 0,
@@ -890,6 +897,8 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
                 row["budget_bytes"] = _budget_bytes(ctx)
                 if stages:
                     row["n_steps"] = int(ctx.horizon)
+                if adjoint:
+                    _log_adjoint_norms(log, it, ctx.unroll_stats)
                 _add_rank_peaks(dist, log, row, ctx.device)
                 _fit_memory_columns(log, row)
                 last = it == iterations - 1
@@ -921,6 +930,20 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
             bar.close()
     return TrainResult(run_dir, log_path, restart_path, it, last_loss, preempted, dist.rank,
                        metrics)
+
+
+def _log_adjoint_norms(log, it: int, stats) -> None:
+    """The adjoint norms of the iteration's first unroll, at most ``CURVE_WIDTH`` points
+    evenly spread over its steps ``0..n`` (the first and the last included)."""
+    from .io.h5log import CURVE_WIDTH
+
+    norms = next((s.adjoint_norms for s in stats if isinstance(s.adjoint_norms, torch.Tensor)),
+                 None)
+    if norms is None:
+        return
+    n = len(norms) - 1
+    steps = np.unique(np.round(np.linspace(0, n, min(n + 1, CURVE_WIDTH))).astype(np.int64))
+    log.append_curve("adjoint_norms", it, steps, norms.numpy()[steps])
 
 
 def _check_curriculum(problem_path: str, problem, ctx, stages) -> None:

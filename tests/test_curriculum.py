@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from deepsolve.config import ConfigError, horizon, parse_curriculum
@@ -73,3 +74,40 @@ def test_a_longest_stage_that_does_not_fit_fails_before_the_first_iteration(tmp_
               out=str(out), quiet=True)
     assert "minimum" in str(err.value) and "\n" not in str(err.value)
     assert not out.exists()   # no log, no restart file: the same command can run again
+
+
+def test_adjoint_every_logs_the_adjoint_norms_of_one_unroll(tmp_path):
+    from deepsolve.io import read_curves
+
+    out = tmp_path / "run"
+    train(NS, sets=_sets(tmp_path, "iterations=5", "adjoint_every=2", "snapshots=3",
+                         "eval_every=0", "grad_clip=0.01"), out=str(out), quiet=True)
+    c = read_curves(out, "adjoint_norms")
+    assert list(c["iteration"]) == [0, 2, 4]
+    assert (c["step"][:, :9] == list(range(9))).all() and (c["step"][:, 9:] == -1).all()
+    v = c["value"][:, :9]
+    assert np.isfinite(v).all() and (v > 0).all()
+    log = read_log(out / "log.h5")
+    assert (log.columns["grad_norm"] > 0.01).all()   # the pre-clip norm is what is logged
+
+
+def test_the_logged_curve_is_downsampled_to_at_most_curve_width_points():
+    import torch
+
+    from deepsolve import UnrollStats
+    from deepsolve.io import CURVE_WIDTH
+    from deepsolve.train import _log_adjoint_norms
+
+    got = {}
+
+    class Log:
+        def append_curve(self, name, it, steps, values):
+            got.update(name=name, it=it, steps=steps, values=values)
+
+    st = UnrollStats()
+    st.adjoint_norms = torch.arange(2001, dtype=torch.float64) * 0.5
+    _log_adjoint_norms(Log(), 7, [UnrollStats(), st])
+    assert got["name"] == "adjoint_norms" and got["it"] == 7
+    assert len(got["steps"]) <= CURVE_WIDTH and got["steps"][0] == 0 and got["steps"][-1] == 2000
+    assert (np.diff(got["steps"]) > 0).all()
+    assert np.allclose(got["values"], got["steps"] * 0.5)

@@ -707,3 +707,38 @@ def test_doc_recipes_read_a_closed_log(tmp_path, name):
             log.append(row(i, loss=2.0 * 0.5 / (i + 1)))
     assert H._superblock(p)[1] & 0x5 == 0                         # closed cleanly
     assert _check_snippet(name, _run_snippet(name, p), {"pde": 2.0}) == 5
+
+
+def test_curves_are_written_with_the_rows_truncated_and_kept_on_resume(tmp_path):
+    """2-D curve groups (adjoint norms): written before the rows' iteration, read back by
+    read_curves, dropped with the rows by truncate_after and kept by a resume."""
+    from deepsolve.io import CURVE_WIDTH, read_curves
+
+    path = tmp_path / "log.h5"
+    log = H5Log(path, curves=("adjoint_norms",))
+    for it in range(5):
+        log.append_curve("adjoint_norms", it, np.arange(it + 2), np.linspace(1, 2, it + 2) * it)
+        log.append({"iteration": it, "loss": float(it)})
+    log.flush()
+    c = read_curves(path, "adjoint_norms")
+    assert list(c["iteration"]) == [0, 1, 2, 3, 4]
+    assert c["step"].shape == (5, CURVE_WIDTH) and c["value"].shape == (5, CURVE_WIDTH)
+    assert list(c["step"][3, :6]) == [0, 1, 2, 3, 4, -1]
+    assert np.allclose(c["value"][3, :5], np.linspace(1, 2, 5) * 3)
+    assert np.isnan(c["value"][3, 5:]).all()
+    assert log.truncate_after(2) == 2
+    assert list(read_curves(path, "adjoint_norms")["iteration"]) == [0, 1, 2]
+    log.close()
+    assert read_log(path).n_rows == 3            # the rows' reader skips the curve group
+    log = H5Log(path, resume=True, keep_through=1, curves=("adjoint_norms",))
+    assert list(read_curves(path, "adjoint_norms")["iteration"]) == [0, 1]
+    log.append_curve("adjoint_norms", 2, [0, 5], [1.0, 2.0])
+    log.append({"iteration": 2, "loss": 2.0})
+    log.close()
+    c = read_curves(path, "adjoint_norms")
+    assert list(c["iteration"]) == [0, 1, 2] and list(c["step"][2, :3]) == [0, 5, -1]
+    with pytest.raises(LogError, match="not declared"):
+        H5Log(tmp_path / "b.h5").append_curve("adjoint_norms", 0, [0], [1.0])
+    with pytest.raises(LogError, match="at most"):
+        H5Log(tmp_path / "c.h5", curves=("x",)).append_curve("x", 0, np.arange(600),
+                                                             np.ones(600))

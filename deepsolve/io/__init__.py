@@ -4,6 +4,7 @@ command's logic (:func:`report`) and the cache of a problem's derived data
 
 from .cache import cache_path, load_or_compute
 from .h5log import (
+    CURVE_WIDTH,
     INT_MISSING,
     SCHEMA_VERSION,
     UNITS,
@@ -13,13 +14,15 @@ from .h5log import (
     LogError,
     column_to_dataset,
     log_iterations,
+    read_curves,
     read_log,
     to_pandas,
 )
 from .report import ReportError, plot_log, report, summarize
 
 __all__ = [
-    "H5Log", "LogData", "LogError", "EmptyLogError", "read_log", "log_iterations", "to_pandas",
+    "H5Log", "LogData", "LogError", "EmptyLogError", "read_log", "read_curves", "log_iterations",
+    "to_pandas", "CURVE_WIDTH",
     "column_to_dataset", "SCHEMA_VERSION", "INT_MISSING", "UNITS", "report", "summarize",
     "plot_log", "ReportError", "cache_path", "load_or_compute",
 ]

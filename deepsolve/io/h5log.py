@@ -54,7 +54,11 @@ import numpy as np
 __all__ = [
     "H5Log", "LogData", "LogError", "EmptyLogError", "read_log", "to_pandas",
     "SCHEMA_VERSION", "INT_MISSING", "column_to_dataset", "UNITS", "log_iterations",
+    "read_curves", "CURVE_WIDTH",
 ]
+
+CURVE_WIDTH = 512
+"""Points of one logged curve at most (see :meth:`H5Log.append_curve`)."""
 
 SCHEMA_VERSION = 1
 """Version of the file layout, stored as the file attribute ``schema_version``."""
@@ -576,6 +580,23 @@ def _read(p: Path, locking: bool | None, only_iteration: bool = False):
         delay = min(2 * delay, 0.25)
 
 
+def read_curves(path: str | os.PathLike, name: str, *,
+                locking: bool | None = None) -> dict[str, np.ndarray]:
+    """The curves of group ``name`` of a log (:meth:`H5Log.append_curve`): ``iteration``
+    (k,), ``step`` and ``value`` (k, :data:`CURVE_WIDTH`; -1 / NaN past each curve's points).
+    The ``iteration`` entries are written last, so a live log reads complete curves."""
+    p = _resolve(path)
+    f, _ = _open_for_reading(p, locking)
+    with f:
+        g = f.get(name)
+        if not isinstance(g, h5py.Group) or g.attrs.get("kind") != "curve":
+            raise LogError(f"{p}: no curve group {name!r} (was the run logging it?)")
+        d_it = g["iteration"]
+        it = _read_dataset(d_it)
+        k = int(np.argmax(it < 0)) if (it < 0).any() else len(it)
+        return {"iteration": it[:k], "step": g["step"][:k], "value": g["value"][:k]}
+
+
 def read_log(path: str | os.PathLike, *, locking: bool | None = None) -> LogData:
     """Read a whole log (``path`` or a run directory holding ``log.h5``).
 
@@ -671,7 +692,7 @@ class H5Log:
     def __init__(self, path: str | os.PathLike, *, attrs: dict | None = None,
                  resume: bool = False, locking: bool | None = None,
                  flush_seconds: float = 5.0, block_rows: int = 64,
-                 keep_through: int | None = None) -> None:
+                 keep_through: int | None = None, curves: tuple[str, ...] = ()) -> None:
         if block_rows < 1:
             raise ValueError(f"block_rows must be >= 1, got {block_rows}")
         self.path = Path(path)
@@ -688,6 +709,14 @@ class H5Log:
         self._closed = False
         self._last_flush = time.monotonic()
         self._raw_attrs: dict[str, Any] = {}      # what a new file gets
+        self._curve_names = tuple(curves)
+        for name in self._curve_names:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"curve name {name!r}: use letters, digits and _")
+        self._cbuf: list[tuple[str, int, np.ndarray, np.ndarray]] = []
+        self._cdsets: dict[str, tuple[h5py.Dataset, h5py.Dataset, h5py.Dataset]] = {}
+        self._cn: dict[str, int] = {}
+        self._old_curves: dict[str, dict[str, np.ndarray]] = {}
         enc, as_json = _encode_attrs(attrs or {})  # fail on bad attributes before any file
         if resume:
             self._resume(enc, as_json, keep_through)
@@ -723,6 +752,12 @@ class H5Log:
             keep = int(np.argmax(bad)) if bad.any() else len(its)
             data = {c: a[:keep] for c, a in data.items()}
             self._kinds = {c: k for _, c, k in kinds}
+            last = int(data["iteration"][-1]) if keep else -1
+            for name in self._curve_names:  # the curves of the rows kept
+                with contextlib.suppress(LogError):
+                    c = read_curves(p, name, locking=self.locking)
+                    ok = c["iteration"] <= last
+                    self._old_curves[name] = {k: v[ok] for k, v in c.items()}
         old_json = raw.get("json_attrs")
         if isinstance(old_json, bytes):
             old_json = old_json.decode("utf-8", "replace")
@@ -754,6 +789,56 @@ class H5Log:
             d.attrs["units"] = UNITS[col]
         return d
 
+    @staticmethod
+    def _create_curve(f: h5py.File, name: str, old: Mapping[str, np.ndarray] | None):
+        """The group ``name`` of a curve: ``iteration`` (k,), ``step`` (k, CURVE_WIDTH) int64
+        (-1 padding) and ``value`` (k, CURVE_WIDTH) float64 (NaN padding)."""
+        g = f.create_group(name)
+        g.attrs["kind"] = "curve"
+        k = 0 if old is None else len(old["iteration"])
+        w = CURVE_WIDTH
+        it = g.create_dataset("iteration", shape=(k,), maxshape=(None,), dtype=np.int64,
+                              chunks=(_CHUNK,), fillvalue=-1)
+        st = g.create_dataset("step", shape=(k, w), maxshape=(None, w), dtype=np.int64,
+                              chunks=(8, w), fillvalue=-1)
+        va = g.create_dataset("value", shape=(k, w), maxshape=(None, w), dtype=np.float64,
+                              chunks=(8, w), fillvalue=np.nan)
+        if k:
+            st[:] = old["step"]
+            va[:] = old["value"]
+            it[:] = old["iteration"]
+        return it, st, va
+
+    def append_curve(self, name: str, iteration: int, steps: Any, values: Any) -> None:
+        """Buffer one curve of iteration ``iteration`` for the group ``name`` (declared with
+        ``curves=`` when the log was opened): up to :data:`CURVE_WIDTH` points ``(steps[j],
+        values[j])``. Written with the rows (before their ``iteration``); a reader sees the
+        curves whose ``iteration`` entry is written (:func:`read_curves`)."""
+        if name not in self._curve_names:
+            raise LogError(f"{self.path}: curve {name!r} was not declared (curves=...)")
+        s = np.asarray(steps, dtype=np.int64).reshape(-1)
+        v = np.asarray(values, dtype=np.float64).reshape(-1)
+        if s.shape != v.shape or len(s) > CURVE_WIDTH:
+            raise LogError(f"{self.path}: curve {name!r} needs as many steps as values, at "
+                           f"most {CURVE_WIDTH}; got {len(s)} and {len(v)}")
+        self._cbuf.append((name, int(iteration), s, v))
+
+    def _write_curves(self) -> None:
+        if self._f is None or not self._cbuf:
+            return
+        for name, it, s, v in self._cbuf:
+            d_it, d_st, d_va = self._cdsets[name]
+            k = self._cn[name]
+            d_st.resize((k + 1, CURVE_WIDTH))
+            d_va.resize((k + 1, CURVE_WIDTH))
+            d_st[k, :len(s)] = s
+            d_va[k, :len(v)] = v
+            self._f.flush()
+            d_it.resize((k + 1,))
+            d_it[k] = it
+            self._cn[name] = k + 1
+        self._cbuf = []
+
     def _publish(self, data: Mapping[str, np.ndarray]) -> None:
         """Write a complete file (attributes, and with ``self._kinds`` the datasets holding
         ``data``) under a temporary name and rename it over the log. With columns, the file
@@ -772,7 +857,10 @@ class H5Log:
                     d.resize((n,))
                     a = data[col]
                     d[:] = a.astype(object) if kind == "s" else a
+            cdsets = {}
             if self._kinds:
+                for name in self._curve_names:   # made now: SWMR allows no new datasets
+                    cdsets[name] = self._create_curve(f, name, self._old_curves.get(name))
                 f.swmr_mode = True               # flushes the file
             else:
                 f.close()
@@ -790,6 +878,9 @@ class H5Log:
             raise
         self._f = f
         self._dsets = dsets
+        self._cdsets = cdsets
+        self._cn = {k: int(v[0].shape[0]) for k, v in cdsets.items()}
+        self._old_curves = {}
         self._n = n
         self._last_it = int(data["iteration"][-1]) if n else -1
 
@@ -877,9 +968,12 @@ class H5Log:
             if self._f is None:                    # the first rows: a complete new file
                 data = {c: self._block(c) for c in self._kinds}
                 self._publish(data)
+                self._write_curves()
+                self._f.flush()
             else:
                 n0, n1 = self._n, self._n + len(self._buf)
                 try:
+                    self._write_curves()
                     for col, d in self._dsets.items():
                         if col != "iteration":
                             d.resize((n1,))
@@ -895,6 +989,7 @@ class H5Log:
                 self._n = n1
             self._buf = []
         elif self._f is not None:
+            self._write_curves()
             self._f.flush()
         if sync and self._f is not None:
             with contextlib.suppress(OSError, RuntimeError, ValueError, TypeError):
@@ -925,6 +1020,17 @@ class H5Log:
                     if col != "iteration":
                         d.resize((keep,))
                 self._n = keep
+                self._f.flush()
+        self._cbuf = [c for c in self._cbuf if c[1] <= k]
+        for name, (d_it, d_st, d_va) in self._cdsets.items():
+            n = self._cn[name]
+            keep = int(np.searchsorted(d_it[:n], k, side="right")) if n else 0
+            if keep < n:
+                d_it.resize((keep,))
+                self._f.flush()
+                d_st.resize((keep, CURVE_WIDTH))
+                d_va.resize((keep, CURVE_WIDTH))
+                self._cn[name] = keep
                 self._f.flush()
         if self._buf:
             self._last_it = self._buf[-1]["iteration"]
