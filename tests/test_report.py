@@ -519,3 +519,39 @@ def test_plots_of_a_real_training_log(tmp_path):
     (loss,) = figs["loss.png"].axes
     assert {"1 × misfit", "1 × prior"} <= set(_lines(loss)) and "weighted" in loss.get_title()
     assert "before training" in summarize(log)
+
+
+def test_gradients_plot_of_a_run_with_adjoint_norms(tmp_path):
+    """gradients.png: one adjoint-norm curve per logged iteration (log scale, the logged
+    values), and the pre-clip gradient norm against iteration."""
+    from pathlib import Path
+
+    from deepsolve.io import read_curves
+    from deepsolve.train import train
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    train(str(root / "tests" / "data" / "tiny_problem.py"), out=str(out), quiet=True,
+          sets=["iterations=6", "adjoint_every=2", "snapshots=4"])
+    figs = _figs(out)
+    adj, grad = figs["gradients.png"].axes
+    assert adj.get_yscale() == "log" and adj.get_xlabel() == "step i"
+    curves = read_curves(out, "adjoint_norms")
+    lines = _lines(adj)
+    assert set(lines) == {f"iteration {i}" for i in (0, 2, 4)}
+    ln = lines["iteration 2"]
+    s, v = curves["step"][1], curves["value"][1]
+    ok = s >= 0
+    assert np.array_equal(ln.get_xdata(), s[ok]) and np.allclose(ln.get_ydata(), v[ok])
+    (g,) = grad.get_lines()
+    assert np.allclose(g.get_ydata(), read_log(out).columns["grad_norm"])
+    assert "before clipping" in grad.get_title()
+
+
+def test_no_gradients_plot_without_gradient_data(tmp_path):
+    from deepsolve.io import H5Log
+
+    p = tmp_path / "log.h5"
+    with H5Log(p) as log:
+        log.append({"iteration": 0, "loss": 1.0})
+    assert "gradients.png" not in _figs(p)

@@ -12,7 +12,10 @@ The plots (:func:`figures` builds them as matplotlib figures, :func:`plot_log` s
 the total); ``memory.png`` the real and the tracked peak per iteration, labelled for the
 device, and the budget as a dashed line; ``time.png``; ``metrics.png`` one panel per group
 of metrics (names sharing their first ``_``-separated token) or per metric, each on its own
-axis, with the value before training (``initial_metrics``) as a marker at iteration -1.
+axis, with the value before training (``initial_metrics``) as a marker at iteration -1;
+``gradients.png`` the gradient norm before clipping (``grad_norm``) against iteration and,
+for a run with ``adjoint_every``, the adjoint norms ``||dL/dx_i||`` against step ``i``, one
+curve per logged iteration (at most :data:`MAX_CURVES`), both on log scales.
 
 The work is bounded whatever the log holds: at most :data:`MAX_SERIES` loss terms and
 metrics are drawn per plot, in at most :data:`MAX_PANELS` metric panels, and
@@ -23,6 +26,7 @@ docs/h5-log.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -574,9 +578,63 @@ def _metrics_figure(log: LogData, x: np.ndarray) -> _Built:
     return fig, cut
 
 
+MAX_CURVES = 12
+"""Adjoint-norm curves drawn in gradients.png at most (spread over the logged iterations)."""
+
+
+def _gradients_figure(log: LogData, x: np.ndarray) -> _Built:
+    """The global gradient norm (before clipping) against iteration and, where the run
+    logged them (``adjoint_every``), the adjoint norms ``||dL/dx_i||`` against step ``i``,
+    one curve per logged iteration (log scales)."""
+    from .h5log import LogError, read_curves
+
+    g = _numeric(log, "grad_norm")
+    curves = None
+    if log.path:
+        with contextlib.suppress(LogError, OSError):
+            curves = read_curves(log.path, "adjoint_norms")
+            if not len(curves["iteration"]):
+                curves = None
+    has_g = g is not None and _finite(g).any()
+    if not has_g and curves is None:
+        return None, None
+    panels = int(has_g) + int(curves is not None)
+    fig = _new_figure(6.0 * panels, 4.5)
+    k = 1
+    if curves is not None:
+        ax = fig.add_subplot(1, panels, k)
+        k += 1
+        its = curves["iteration"]
+        pick = np.unique(np.round(np.linspace(0, len(its) - 1, min(len(its), MAX_CURVES))))
+        from matplotlib import colormaps
+
+        cmap = colormaps["viridis"]
+        for j, r in enumerate(pick.astype(int)):
+            s, v = curves["step"][r], curves["value"][r]
+            ok = (s >= 0) & np.isfinite(v) & (v > 0)
+            ax.plot(s[ok], v[ok], color=cmap(j / max(len(pick) - 1, 1)),
+                    label=f"iteration {int(its[r])}")
+        ax.set_yscale("log")
+        title = "adjoint norm ||dL/dx_i||"
+        if len(pick) < len(its):
+            title += f" ({len(pick)} of {len(its)} logged iterations)"
+        _finish(ax, "step i", "norm", title)
+    if has_g:
+        ax = fig.add_subplot(1, panels, k)
+        _draw(ax, x, [("grad_norm", g, {})])
+        if _positive([("grad_norm", g, {})]):
+            ax.set_yscale("log")
+        _finish(ax, "iteration", "norm", "gradient norm (before clipping)")
+        legend = ax.get_legend()
+        if legend is not None:
+            legend.remove()
+    return fig, None
+
+
 def figures(log: LogData) -> dict[str, Any]:
     """The report's plots as matplotlib ``Figure`` objects, by file name (``loss.png``,
-    ``memory.png``, ``time.png``, ``metrics.png``), each when the log has data for it; what
+    ``memory.png``, ``time.png``, ``metrics.png``, ``gradients.png``), each when the log has
+    data for it; what
     :func:`plot_log` saves. Made without pyplot (no global state, no display needed)."""
     return _figures(log)[0]
 
@@ -586,7 +644,8 @@ def _figures(log: LogData) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
     figs: dict[str, Any] = {}
     left_out: dict[str, tuple[int, int]] = {}
     for name, build in (("loss.png", _loss_figure), ("memory.png", _memory_figure),
-                        ("time.png", _time_figure), ("metrics.png", _metrics_figure)):
+                        ("time.png", _time_figure), ("metrics.png", _metrics_figure),
+                        ("gradients.png", _gradients_figure)):
         fig, cut = build(log, x)
         if fig is not None:
             figs[name] = fig
