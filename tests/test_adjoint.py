@@ -10,14 +10,15 @@ import deepsolve
 from deepsolve import schedules as S
 from deepsolve.memory.meter import MemoryMeter
 
-torch.set_default_dtype(torch.float64)
+F64 = torch.float64  # every tensor here is float64 (the default dtype is left alone)
 
 
 def _problem(seed: int = 0, m: int = 5):
     torch.manual_seed(seed)
-    W = (0.6 * torch.randn(m, m)).requires_grad_()
-    b = (0.1 * torch.randn(m)).requires_grad_()
-    x0 = {"u": torch.randn(m, requires_grad=True), "v": torch.randn(m, requires_grad=True)}
+    W = (0.6 * torch.randn(m, m, dtype=F64)).requires_grad_()
+    b = (0.1 * torch.randn(m, dtype=F64)).requires_grad_()
+    x0 = {"u": torch.randn(m, dtype=F64, requires_grad=True),
+          "v": torch.randn(m, dtype=F64, requires_grad=True)}
 
     def step(x, i):
         u = torch.tanh(W @ x["u"] + x["v"]) + b
@@ -53,7 +54,7 @@ def _plain(step, x0, n, *, hook=None, cut=None):
 
 def _norms(states):
     return torch.tensor([sum(float((v.grad ** 2).sum()) for v in s.values()
-                             if v.grad is not None) ** 0.5 for s in states])
+                             if v.grad is not None) ** 0.5 for s in states], dtype=F64)
 
 
 SCHEDULES = {
@@ -162,12 +163,12 @@ def test_truncate_equals_the_detaching_plain_loop(n, K, how):
 
 def test_truncate_replays_random_numbers():
     torch.manual_seed(5)
-    w = torch.randn(4, requires_grad=True)
+    w = torch.randn(4, dtype=F64, requires_grad=True)
 
     def step(x, i):
-        return torch.tanh(x * w + 0.1 * torch.randn(4)), x.sum()
+        return torch.tanh(x * w + 0.1 * torch.randn(4, dtype=F64)), x.sum()
 
-    x0 = torch.randn(4)
+    x0 = torch.randn(4, dtype=F64)
     torch.manual_seed(9)
     y, o = deepsolve.unroll(step, x0, 19, snapshots=2, truncate=6)
     (g,) = torch.autograd.grad(y.sum() + o.square().sum(), w)
@@ -200,7 +201,7 @@ def test_truncate_under_a_budget_holds_one_window_whatever_n():
     does not grow with ``n``: n = 10 K and 100 K within 5 %."""
     torch.manual_seed(0)
     m, K = 1 << 15, 20
-    w = torch.tensor(0.97, requires_grad=True)
+    w = torch.tensor(0.97, dtype=F64, requires_grad=True)
 
     def step(x, i):
         y = torch.tanh(x * w) + 0.01
@@ -208,7 +209,7 @@ def test_truncate_under_a_budget_holds_one_window_whatever_n():
 
     peaks = []
     for n in (10 * K, 100 * K):
-        x0 = torch.randn(m)
+        x0 = torch.randn(m, dtype=F64)
         st = deepsolve.UnrollStats()
         with MemoryMeter("cpu", stats=st) as meter:
             y, outs = deepsolve.unroll(step, x0, n, budget="4MiB", truncate=K, stats=st)
