@@ -30,13 +30,8 @@ def saved_bytes(roots: Sequence[torch.Tensor], exclude: Sequence[torch.Tensor] =
     inspects every node); for profiling only."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     held: dict[int, int] = {}
-    seen: set = set()
-    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+
+    def visit(node) -> bool:
         found: list = []
         try:
             found.extend(getattr(node, "saved_tensors", None) or ())
@@ -54,8 +49,24 @@ def saved_bytes(roots: Sequence[torch.Tensor], exclude: Sequence[torch.Tensor] =
                 st = t.untyped_storage()
                 if st.data_ptr() not in skip:
                     held[st.data_ptr()] = st.nbytes()
-        todo.extend(f for f, _ in node.next_functions)
+        return True
+
+    _walk(roots, visit)
     return sum(held.values())
+
+
+def _walk(roots: Sequence[torch.Tensor], visit) -> None:
+    """Visit every node of the graph behind ``roots`` once (depth first); ``visit(node)``
+    says whether to go on to the node's inputs."""
+    seen: set = set()
+    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if visit(node):
+            todo.extend(f for f, _ in node.next_functions)
 
 
 def graph_leaves(roots: Sequence[torch.Tensor], stop: dict, marker: int,
@@ -66,27 +77,24 @@ def graph_leaves(roots: Sequence[torch.Tensor], stop: dict, marker: int,
     step uses a tensor computed outside it, which needs ``params=``.
     """
     found: list[torch.Tensor] = []
-    seen: set = set()
-    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+
+    def visit(node) -> bool:
         if node in stop:
-            continue
+            return False
         var = getattr(node, "variable", None)
         if var is not None:  # AccumulateGrad: a leaf
             if id(var) not in inputs:
                 found.append(var)
-            continue
+            return False
         if node._sequence_nr() < marker and node.name() not in SAFE_OUTER_NODES:
             raise ValueError(
                 f"unroll: the step uses a tensor that requires grad and was computed outside "
                 f"it (its graph node is {node.name()}); pass such tensors explicitly with "
                 "params=[...] so their gradients can flow"
             )
-        todo.extend(f for f, _ in node.next_functions)
+        return True
+
+    _walk(roots, visit)
     return found
 
 

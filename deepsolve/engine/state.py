@@ -199,17 +199,7 @@ class Step:
 
     def check_leaves(self, leaves: list[torch.Tensor], i: int) -> list[torch.Tensor]:
         """Every leaf a tensor of the forward sweep's shape, dtype and device."""
-        for k, (t, (shape, dtype, device)) in enumerate(zip(leaves, self.meta, strict=True)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"unroll: step {i} returned a {type(t).__name__} for state "
-                                f"leaf {k}; expected a tensor")
-            if t.shape != shape or t.dtype != dtype or t.device != device:
-                raise ValueError(
-                    f"unroll: step {i} changed state leaf {k} from {tuple(shape)} {dtype} on "
-                    f"{device} to {tuple(t.shape)} {t.dtype} on {t.device}; a step must return "
-                    "a state of the same shape, dtype and device at every call (recomputed "
-                    "steps included)"
-                )
+        _check_meta(leaves, self.meta, i, "state")
         return leaves
 
     def recorded_check(self, y: list[torch.Tensor], out: Sequence[torch.Tensor],
@@ -232,13 +222,23 @@ class Step:
             raise TypeError(f"unroll: step {i} returned {len(out)} output tensors, step 0 "
                             f"returned {self.n_out}; a step must return the same outputs at "
                             "every call")
-        for k, (o, (shape, dtype, device)) in enumerate(zip(out, self.out_meta, strict=True)):
-            if not isinstance(o, torch.Tensor):
-                raise TypeError(f"unroll: output leaf {k} of step {i} is a "
-                                f"{type(o).__name__}, not a tensor")
-            if o.shape != shape or o.dtype != dtype or o.device != device:
-                raise ValueError(
-                    f"unroll: step {i} changed output leaf {k} from {tuple(shape)} {dtype} on "
-                    f"{device} to {tuple(o.shape)} {o.dtype} on {o.device}; a step must return "
-                    "outputs of the same shape, dtype and device at every call"
-                )
+        _check_meta(out, self.out_meta, i, "output")
+
+
+def _check_meta(tensors: Sequence[Any], meta: Sequence[tuple], i: int, kind: str) -> None:
+    """Each of ``tensors`` (step ``i``'s state leaves or outputs, ``kind``) a tensor of the
+    ``(shape, dtype, device)`` in ``meta``; a one-line error naming the first that is not."""
+    for k, (t, (shape, dtype, device)) in enumerate(zip(tensors, meta, strict=True)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"unroll: step {i} returned a {type(t).__name__} for state leaf "
+                            f"{k}; expected a tensor" if kind == "state" else
+                            f"unroll: output leaf {k} of step {i} is a {type(t).__name__}, "
+                            "not a tensor")
+        if t.shape != shape or t.dtype != dtype or t.device != device:
+            what = ("a state of the same shape, dtype and device at every call (recomputed "
+                    "steps included)" if kind == "state" else
+                    "outputs of the same shape, dtype and device at every call")
+            raise ValueError(
+                f"unroll: step {i} changed {kind} leaf {k} from {tuple(shape)} {dtype} on "
+                f"{device} to {tuple(t.shape)} {t.dtype} on {t.device}; a step must return "
+                + what)
