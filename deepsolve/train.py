@@ -895,8 +895,8 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
                                             track and it % memory_every == 0,
                                             MemoryMeter, dist, host_base)
                 row["budget_bytes"] = _budget_bytes(ctx)
-                if stages:
-                    row["n_steps"] = int(ctx.horizon)
+                if stages and (not log.columns or "n_steps" in log.columns):
+                    row["n_steps"] = int(ctx.horizon)  # (a resumed log without it: left out)
                 if adjoint:
                     _log_adjoint_norms(log, it, ctx.unroll_stats)
                 _add_rank_peaks(dist, log, row, ctx.device)
@@ -960,7 +960,8 @@ def _check_curriculum(problem_path: str, problem, ctx, stages) -> None:
     old = ctx.horizon
     ctx.horizon = longest
     try:
-        with torch.random.fork_rng(devices=[]):
+        cuda = [ctx.device.index or 0] if ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
             req = ctx.first_unroll(lambda: problem.residuals(ctx, 0))
             if req is None or "budget" not in req.options:
                 return

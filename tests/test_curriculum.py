@@ -111,3 +111,16 @@ def test_the_logged_curve_is_downsampled_to_at_most_curve_width_points():
     assert len(got["steps"]) <= CURVE_WIDTH and got["steps"][0] == 0 and got["steps"][-1] == 2000
     assert (np.diff(got["steps"]) > 0).all()
     assert np.allclose(got["values"], got["steps"] * 0.5)
+
+
+def test_a_run_resumed_with_a_curriculum_keeps_its_log_columns(tmp_path):
+    """A log made without a curriculum has no n_steps column; resuming it with one trains
+    the later stages and leaves the column out instead of failing."""
+    out = tmp_path / "run"
+    train(NS, sets=_sets(tmp_path, "iterations=2", "eval_every=0"), out=str(out), quiet=True)
+    res = train(NS, sets=_sets(tmp_path, "iterations=4", "eval_every=0", "curriculum=0:4,3:8"),
+                out=str(out), quiet=True, resume=True)
+    assert res.iterations == 4
+    log = read_log(out / "log.h5")
+    assert log.n_rows == 4 and "n_steps" not in log.columns
+    assert list(log.columns["recorded"]) == [8, 8, 4, 8]   # steps=8, then the stages
