@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .engine import HostStorage, UnrollStats, execute
+from .engine import HostStorage, UnrollStats, check_truncate, execute
 from .memory import BudgetError, device_capacity, format_bytes
 from .memory.budget import parse_budget
 from .memory.offload import DiskStorage
@@ -144,6 +144,8 @@ def unroll(
                              snapshot_dtype, adjoint_hook)
     if n_steps is None:
         raise ValueError("unroll: give n_steps, or until=stop for an unroll of unknown length")
+    if truncate is not None:
+        check_truncate(truncate)
     if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 0:
         raise ValueError(f"unroll: n_steps must be an integer >= 0, got {n_steps!r}")
     how = as_strategy(schedule, snapshots, budget, offload, spill_dir)
@@ -164,9 +166,7 @@ def unroll(
                           snapshot_dtype=snapshot_dtype)
             sched = p.schedule
             policy = p.policy
-            if p.kind == "two_level":
-                storage = {1: HostStorage() if how.offload == "host"
-                           else DiskStorage(how.spill_dir)}
+            storage = _second_level(p, how)
             if stats is not None:
                 stats.extra["plan"] = p
     else:
@@ -179,14 +179,18 @@ def unroll(
                    snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook)
 
 
+def _second_level(p, how: Budget) -> dict | None:
+    """The storage level 1 a two-level plan writes to (host memory or the spill directory)."""
+    if p.kind != "two_level":
+        return None
+    return {1: HostStorage() if how.offload == "host" else DiskStorage(how.spill_dir)}
+
+
 def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dtype, stats):
     """``(window schedule builder, storage, policy)`` of ``truncate=K``: each window of ``K``
     steps is reversed on its own, so a strategy builds a ``K``-step schedule, and a budget
     plans one window — beside it the next window's start state and the stacked outputs of
     all ``n`` steps (the window plan counts ``K`` of them)."""
-    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
-        raise ValueError(f"unroll: truncate must be an integer >= 1 (the window length), got "
-                         f"{K!r}")
     if isinstance(how, Schedule):
         raise ValueError("unroll: truncate= builds one schedule per window; give a strategy "
                          "(Revolve(s), Periodic(k), ...), snapshots= or budget=, not a "
@@ -207,9 +211,7 @@ def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dt
                   spill_dir=how.spill_dir, policy=policy, snapshot_dtype=snapshot_dtype)
     if stats is not None:
         stats.extra["plan"] = p
-    storage = None
-    if p.kind == "two_level":
-        storage = {1: HostStorage() if how.offload == "host" else DiskStorage(how.spill_dir)}
+    storage = _second_level(p, how)
     strategy = p.strategy
 
     def window(length: int) -> Schedule:

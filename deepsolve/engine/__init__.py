@@ -18,7 +18,7 @@ The engine knows nothing of budgets or files (layer 2 of docs/design.md). Other 
 import only the public names re-exported here.
 """
 
-from .executor import Tape, UnrollRun, UnrollStats, execute
+from .executor import Tape, UnrollRun, UnrollStats, check_truncate, execute
 from .graph import (
     closure_leaves,
     constant_leaves,
@@ -48,6 +48,7 @@ __all__ = [
     "Autocast", "CompiledPolicy", "EXPENSIVE_OPS", "GradSum", "HostStorage", "Interpreter",
     "Misfit", "POLICIES", "Recorder", "Replay", "SAVE_FFT_OPS", "Slot", "Step", "Storage",
     "SweepStats", "Tape", "UnrollRun", "UnrollStats", "autocast_state", "check_snapshot_dtype",
+    "check_truncate",
     "closure_leaves", "codec", "constant_leaves", "cuda_devices", "discover", "execute",
     "flatten_state", "get_rng", "graph_leaves", "holding", "is_diff", "policy_context",
     "policy_name", "save_expensive", "save_fft", "saved_bytes", "sequence_marker",

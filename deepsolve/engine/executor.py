@@ -53,7 +53,7 @@ from .replay import Replay
 from .state import Step, flatten_state, is_diff, unflatten
 from .storage import check_snapshot_dtype
 
-__all__ = ["execute", "UnrollStats", "UnrollRun", "Tape"]
+__all__ = ["execute", "UnrollStats", "UnrollRun", "Tape", "check_truncate"]
 
 
 @dataclass
@@ -471,19 +471,22 @@ class UnrollRun(Interpreter):
     def _pull(self, tape, i: int):
         """adjoint_i = J_i^T adjoint_{i+1} (+ output terms); accumulate parameter grads."""
         x_in, y, out = tape
+        o_roots, o_seeds = [], []  # the outputs with an incoming gradient
+        for k, o in enumerate(out):
+            g = self.g_outs[k] if k < len(self.g_outs) else None
+            if g is not None and o.requires_grad:
+                o_roots.append(o)
+                o_seeds.append(g[i])
         lam = self.grad
         if self.watch:
-            lam = self._watch_next(y, out, i)
+            lam = self._watch_next(y, o_roots, o_seeds, i)
         roots, seeds = [], []
         for t, g in zip(y, lam, strict=True):
             if g is not None and t.requires_grad:
                 roots.append(t)
                 seeds.append(g)
-        for k, o in enumerate(out):
-            g = self.g_outs[k] if k < len(self.g_outs) else None
-            if g is not None and o.requires_grad:
-                roots.append(o)
-                seeds.append(g[i])
+        roots += o_roots
+        seeds += o_seeds
         inputs = [t for t in x_in if t.requires_grad] + self.params
         if not roots or not inputs:
             self.grad = [None] * self.n_state
@@ -498,22 +501,17 @@ class UnrollRun(Interpreter):
         if self.watch and (i == 0 or (self.window is not None and i % self.K == 0)):
             self._watch(i)  # x_0, or a window's start (a leaf of the detaching loop)
 
-    def _watch_next(self, y, out, i: int) -> list:
+    def _watch_next(self, y, roots: list, seeds: list, i: int) -> list:
         """The adjoint of ``x_{i+1}`` as plain autograd holds it — the adjoint pulled back so
         far plus what step ``i``'s outputs add through ``y = x_{i+1}`` — watched (norm,
         hook); returns the seed for ``y`` (the watched adjoint less the outputs' part, which
-        the pull adds through their own graph)."""
+        the pull adds through their own graph). ``roots``/``seeds``: the step's outputs with
+        an incoming gradient, and those gradients."""
         j = i + 1
         lam = self.grad
         if self.window is not None and j < self.n and j % self.K == 0:
             return lam  # a cut: x_j's adjoint flows nowhere (its window watches it)
         gy = None
-        roots, seeds = [], []
-        for k, o in enumerate(out):
-            g = self.g_outs[k] if k < len(self.g_outs) else None
-            if g is not None and o.requires_grad:
-                roots.append(o)
-                seeds.append(g[i])
         ys = [t for t in y if t.requires_grad]
         if roots and ys:
             found = iter(torch.autograd.grad(roots, ys, seeds, retain_graph=True,
@@ -633,9 +631,7 @@ def execute(
     if truncate is not None:
         if until is not None:
             raise ValueError("unroll: truncate= needs a known n_steps, not until=")
-        if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1:
-            raise ValueError(f"unroll: truncate must be an integer >= 1 (the window length), "
-                             f"got {truncate!r}")
+        check_truncate(truncate)
         if isinstance(schedule, Schedule) or not callable(schedule) or n_steps is None:
             raise TypeError("execute: with truncate=, schedule is a function length -> "
                             "Schedule (each window's) and n_steps is given")
@@ -716,6 +712,14 @@ def execute(
     if not fn.has_output:
         return final
     return final, pytree.tree_unflatten(list(res[len(x0):]), fn.out_spec)
+
+
+def check_truncate(K: Any) -> int:
+    """``truncate=K``: an integer >= 1 (the window length); a one-line error otherwise."""
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+        raise ValueError(f"unroll: truncate must be an integer >= 1 (the window length), got "
+                         f"{K!r}")
+    return K
 
 
 class _Windows(Schedule):
