@@ -72,6 +72,8 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "cache_dir": "runs/cache",  # where ctx.cache keeps a problem's derived data
     "curriculum": "",        # unroll horizon by iteration, "0:50,200:400" ("" = steps throughout)
     "adjoint_every": 0,      # log the adjoint norms of one unroll every N iterations (0 = off)
+    "mesh": "",              # distributed runs: DATAxSPACE ranks ("" = all space with ctx.slab)
+    "dist_timeout": 600.0,   # seconds a rank waits for the others before it stops with an error
 }
 
 
@@ -90,6 +92,7 @@ SETTING_RANGES: dict[str, tuple[type, float, str]] = {
     "threads": (int, 0, ">= 0 (0: the default, see docs/problems.md)"),
     "progress_every": (float, 0.0, ">= 0 (seconds; 0: a line every iteration)"),
     "adjoint_every": (int, 0, ">= 0 (0: no adjoint norms logged)"),
+    "dist_timeout": (float, 0.1, ">= 0.1 (seconds)"),
 }
 
 

@@ -60,6 +60,7 @@ from .config import (
 )
 from .memory.budget import BudgetError
 from .memory.meter import host_high_water_mark, process_status, reset_high_water_mark
+from .memory.strategies import Budget
 from .problem import Context, Problem, ProblemError, load_problem
 
 __all__ = ["train", "TrainResult", "PREEMPTED_EXIT_CODE", "plan_problem", "RestartError",
@@ -534,8 +535,10 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
     # bad one fails here, and nothing has been made
     config = run_config(problem0, overrides, sets)
     with run_threads(config.threads):   # the caller's thread count is restored after
-        dist, device_name = D.setup(config["device"])
+        dist, device_name = D.setup(config["device"], float(config["dist_timeout"]))
         try:
+            D.parse_mesh(config["mesh"], dist.world_size)   # a bad mesh fails before the build
+            D.set_default_timeout(float(config["dist_timeout"]))
             config = config.on_device(device_name)   # "cuda" -> "cuda:LOCAL_RANK" recorded
             res = _train(problem_path, config, dist, out, resume, quiet, locking)
             D.barrier(dist)  # the others wait for rank 0's restart file and log
@@ -812,6 +815,7 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
         problem, ctx, sha = build(problem_path, cfg, dist.rank, dist.world_size)
         if budget is not None and cfg["budget_once"]:
             ctx.budget = budget
+        _check_mesh(problem_path, dist, ctx)
         D.check_batch(dist, problem, ctx)
         model = ctx.model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -965,14 +969,34 @@ def _check_curriculum(problem_path: str, problem, ctx, stages) -> None:
             req = ctx.first_unroll(lambda: problem.residuals(ctx, 0))
             if req is None or "budget" not in req.options:
                 return
+            b = req.options["budget"]
             try:
-                plan(req.step, req.state, req.n_steps, budget=req.options["budget"])
+                if isinstance(b, Budget):   # a distributed run: planned across the ranks
+                    plan(req.step, req.state, req.n_steps, budget=b.budget, group=b.group)
+                else:
+                    plan(req.step, req.state, req.n_steps, budget=b)
             except BudgetError as e:
                 raise BudgetError(f"--set curriculum: its longest stage ({longest} steps) does "
                                   f"not fit the budget: {e}") from None
     finally:
         ctx.horizon = old
         ctx.generator.set_state(state)
+
+
+def _check_mesh(problem_path: str, dist, ctx) -> None:
+    """A distributed run's mesh after the build: ``--set mesh=DxS`` with ``S > 1`` needs a
+    problem that decomposes its domain (``ctx.slab``), else each space rank would compute
+    the whole loss and the sum over them would count it ``S`` times. Records the number of
+    data ranks, the divisor of the gradient average."""
+    if not dist.enabled:
+        return
+    mesh = ctx.mesh
+    if mesh.space > 1 and not ctx.decomposed:
+        raise ProblemError(f"--set mesh={ctx.cfg.mesh}: {problem_path} does not decompose its "
+                           f"domain (ctx.slab), so {mesh.space} space ranks would compute the "
+                           "same loss; drop the mesh setting (data parallelism over all "
+                           "ranks) or decompose the grid with ctx.slab")
+    dist.data_size = mesh.data
 
 
 def _add_rank_peaks(dist, log, row, device) -> None:

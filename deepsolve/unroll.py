@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 from .engine import HostStorage, UnrollStats, check_truncate, execute
 from .memory import BudgetError, device_capacity, format_bytes
+from .memory.agree import agree_min, agree_profile
 from .memory.budget import parse_budget
 from .memory.offload import DiskStorage
 from .memory.planner import online_snapshots
@@ -163,7 +164,7 @@ def unroll(
         else:
             p = make_plan(step, state, n_steps, budget=how.budget, params=params,
                           offload=how.offload, spill_dir=how.spill_dir, policy=policy,
-                          snapshot_dtype=snapshot_dtype)
+                          snapshot_dtype=snapshot_dtype, group=how.group)
             sched = p.schedule
             policy = p.policy
             storage = _second_level(p, how)
@@ -199,8 +200,9 @@ def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dt
     if not isinstance(how, Budget):
         return how.build, None, policy
     leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
-    nbytes = parse_budget(how.budget, leaves[0].device if leaves else None)
-    prof = profile_step(step, state, params=params)
+    nbytes = agree_min(parse_budget(how.budget, leaves[0].device if leaves else None),
+                       how.group)
+    prof = agree_profile(profile_step(step, state, params=params), how.group)
     extra = prof.state_bytes + 2 * (n_steps - m) * prof.output_bytes
     if nbytes - extra <= 0:
         raise BudgetError(
@@ -208,7 +210,8 @@ def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dt
             f"{n_steps} steps: the next window's start state and the stacked outputs alone "
             f"take {format_bytes(extra)}; raise the budget")
     p = make_plan(step, state, m, budget=nbytes - extra, params=params, offload=how.offload,
-                  spill_dir=how.spill_dir, policy=policy, snapshot_dtype=snapshot_dtype)
+                  spill_dir=how.spill_dir, policy=policy, snapshot_dtype=snapshot_dtype,
+                  group=how.group)
     if stats is not None:
         stats.extra["plan"] = p
     storage = _second_level(p, how)
@@ -274,8 +277,8 @@ def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, pa
     elif isinstance(how, Budget):
         sched = None
         if torch.is_grad_enabled():
-            sched = online(online_snapshots(step, state, how.budget, max_steps, params,
-                                            snapshot_dtype))
+            sched = online(agree_min(online_snapshots(step, state, how.budget, max_steps,
+                                                      params, snapshot_dtype), how.group))
             if stats is not None:
                 stats.extra["online_snapshots"] = sched.snapshots
     return execute(step, state, sched, params=params, has_output=has_output,

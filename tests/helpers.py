@@ -44,7 +44,8 @@ def make_ctx(problem: Problem, sets: Iterable[str] = (), *, base: Iterable[str] 
     ``problem.build``. A module binds its settings once:
     ``make_ctx = functools.partial(helpers.make_ctx, base=SMALL)``.
     """
-    from deepsolve.problem import Context, apply_overrides
+    from deepsolve.distributed import DistributedContext as Context  # what the trainer builds
+    from deepsolve.problem import apply_overrides
 
     cfg = apply_overrides(problem.config(), [*base, *sets])
     cfg.update(values or {})

@@ -67,6 +67,7 @@ from ..engine import (
     snapshot_nbytes,
 )
 from ..schedules import Schedule, mixed_cost, revolve_tail_cost
+from .agree import agree_level, agree_min, agree_profile
 from .allocator import return_freed_memory
 from .budget import BudgetError, device_capacity, format_bytes, parse_budget
 from .offload import DiskStorage
@@ -469,7 +470,7 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
 
 def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=None,
          offload: str | None = None, spill_dir: str | None = None, policy: Any = None,
-         snapshot_dtype: Any = None) -> Plan:
+         snapshot_dtype: Any = None, group: Any = None) -> Plan:
     """Profile ``step`` on ``state`` (cached) and choose the fastest schedule for ``n_steps``
     steps whose predicted peak fits ``budget`` (bytes, ``"2GiB"``, ``"80%"``).
 
@@ -483,6 +484,11 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     (schedule, policy) pair wins. A given policy (a name, a policy function, a list of ops)
     is used for every kept tape; ``"none"`` keeps today's tapes. ``snapshot_dtype`` counts
     snapshots at that dtype's size (see :func:`deepsolve.unroll`).
+
+    ``group`` (a ``torch.distributed`` process group): every rank of it calls ``plan`` with
+    its own step and state (its block of a decomposed field); the profiles, budgets and
+    second levels are reduced to the worst case over the ranks before choosing, so every
+    rank gets the same plan, the one that fits the tightest rank (:mod:`.agree`).
 
     Raises :class:`~deepsolve.BudgetError` (a ``ValueError``) with the minimum budget when no
     schedule fits. ``Plan.explain()`` prints the alternatives weighed.
@@ -499,10 +505,10 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     snapshot_dtype = check_snapshot_dtype(snapshot_dtype)
     policy_context(policy)  # a one-line error for an unknown policy, before profiling
     dev = device if device is not None else (leaves[0].device if leaves else None)
-    nbytes = parse_budget(budget, dev)
+    nbytes = agree_min(parse_budget(budget, dev), group)
     if dev is None or torch.device(dev).type == "cpu":
         return_freed_memory()  # RSS must follow the live bytes the budget bounds
-    prof = profile_step(step, state, params=params)
+    prof = agree_profile(profile_step(step, state, params=params), group)
     if snapshot_dtype is not None:
         prof = dataclasses.replace(prof, snapshot_bytes=snapshot_nbytes(leaves, snapshot_dtype))
     policies, failed = None, []
@@ -513,17 +519,21 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     if candidates:
         policies = [prof] if policy is None else []
         for q in candidates:
+            why = "on another rank"
             try:
                 measured = profile_step(step, state, params=params, policy=q)
             except Exception as e:  # a step that checkpointing cannot replay
                 if policy is not None:
                     raise
+                measured, why = None, type(e).__name__
+            measured = agree_profile(measured, group)  # failed on one rank: failed on all
+            if measured is None:
                 failed.append(Alternative(f"policy {q}", 0, 0.0, False,
                                           f"not weighed: the step fails under it "
-                                          f"({type(e).__name__})"))
+                                          f"({why})"))
                 continue
             policies.append(dataclasses.replace(measured, snapshot_bytes=prof.snapshot_bytes))
-    slow = measure_level(offload, leaves, spill_dir) if offload else None
+    slow = agree_level(measure_level(offload, leaves, spill_dir), group) if offload else None
     result = choose(prof, n_steps, nbytes, slow, policies)
     result.alternatives.extend(failed)
     result.snapshot_dtype = snapshot_dtype

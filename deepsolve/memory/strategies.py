@@ -333,12 +333,16 @@ class Budget(Strategy):
     (bytes, ``"512MiB"``, ``"2GB"``, ``"80%"`` of the device's free memory), from a measured
     profile of one step (:func:`deepsolve.plan`). ``offload`` (``"host"``/``"disk"``, with
     ``spill_dir``) lets it weigh a second storage level too. The budget's form is checked
-    when the strategy is made; a percentage is resolved on the unroll's device."""
+    when the strategy is made; a percentage is resolved on the unroll's device.
+
+    ``group`` (a ``torch.distributed`` process group) makes the ranks of a domain
+    decomposition agree on one plan: each profiles its own step and the plan fits the
+    tightest rank (:mod:`deepsolve.memory.agree`); every rank of the group must unroll."""
 
     kind = "budget"
 
     def __init__(self, budget: int | str, offload: str | None = None,
-                 spill_dir: str | None = None):
+                 spill_dir: str | None = None, group: Any = None):
         parse_budget(budget, "cpu" if isinstance(budget, str) and budget.strip().endswith("%")
                      else None)
         if offload not in (None, "host", "disk"):
@@ -349,6 +353,7 @@ class Budget(Strategy):
         self.budget = budget
         self.offload = offload
         self.spill_dir = spill_dir
+        self.group = group
 
     def build(self, n_steps: int) -> S.Schedule:
         raise TypeError("Budget: the planner builds the schedule from a profile of the step; "

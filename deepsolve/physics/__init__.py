@@ -47,6 +47,16 @@ from deepsolve.physics.navier_stokes import (
     velocity_hat,
     vorticity_forcing_hat,
 )
+from deepsolve.physics.shallow_water import (  # re-exported (not in __all__)
+    ShallowWater2D,  # noqa: F401
+    circular_pad,  # noqa: F401
+    gaussian_bump,  # noqa: F401
+    geostrophic_state,  # noqa: F401
+    inertia_gravity_exact,  # noqa: F401
+    inertia_gravity_frequency,  # noqa: F401
+)
+from deepsolve.physics.shallow_water import energy as shallow_water_energy  # noqa: F401
+from deepsolve.physics.shallow_water import mass as shallow_water_mass  # noqa: F401
 from deepsolve.physics.time_stepping import (
     ETDRK4Coefficients,
     SpectralStepper,

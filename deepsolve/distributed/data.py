@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .problem import Context
+from ..problem import Context
 
 __all__ = [
     "DistInfo", "DistributedContext", "rank_device", "setup", "cleanup", "shard", "barrier",
@@ -52,6 +52,7 @@ class DistInfo:
     local_rank: int = 0
     backend: str = ""
     initialized_here: bool = False   # setup() created the process group (cleanup() ends it)
+    data_size: int = 0               # data-parallel ranks of the mesh (0: all of them)
 
     @property
     def enabled(self) -> bool:
@@ -164,27 +165,101 @@ def shard(n: int, rank: int, world: int) -> slice:
 
 
 class DistributedContext(Context):
-    """:class:`~deepsolve.Context` with the batch sharding of distributed runs.
+    """:class:`~deepsolve.Context` with the batch sharding and the domain decomposition of
+    distributed runs.
 
     ``ctx.shard(x)`` is this rank's part of ``x`` along ``dim`` (default 0), ``ctx.shard(n)``
     and ``ctx.batch_slice(n)`` the ``slice`` of a batch of size ``n``; in a single-process run
     they return everything. Take the mean of a loss over the shard: with batch sizes
-    divisible by the world size, the trainer's gradient average is then exactly the
-    gradient of the mean over the full batch.
+    divisible by the number of data ranks, the trainer's gradient average is then exactly
+    the gradient of the mean over the full batch.
+
+    ``ctx.slab(n, dim=-2, halo=1)`` splits a grid of ``n`` rows over the ``space`` ranks of
+    the run's mesh (:class:`~deepsolve.distributed.Slab`; ``--set mesh=DATAxSPACE``, by
+    default all ranks) and ``ctx.mesh`` is that mesh. Call ``ctx.slab`` in ``build`` before
+    ``ctx.shard``. Under a decomposition the loss terms are shares (``slab.mean``,
+    ``slab.share``): the trainer sums terms and gradients over the space ranks.
+
+    With several processes, a budgeted ``ctx.unroll`` is planned once for all ranks (each
+    profiles its own block; the plan fits the tightest rank), so communicating steps
+    recompute in step.
     """
 
+    _mesh: Any = None
+    _sharded = False
+    decomposed = False
+
+    @property
+    def mesh(self) -> Any:
+        """The run's ``data × space`` mesh (built on first use; see
+        :mod:`deepsolve.distributed.mesh`)."""
+        if self._mesh is None:
+            self._make_mesh(space_default=False)
+        return self._mesh
+
+    def _make_mesh(self, space_default: bool) -> None:
+        from .mesh import make_mesh, parse_mesh
+
+        shape = parse_mesh(getattr(self.cfg, "mesh", ""), self.world_size)
+        if shape is None:
+            shape = (1, self.world_size) if space_default else (self.world_size, 1)
+        self._mesh = make_mesh(*shape, device_type=self.device.type)
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (its batch shard)."""
+        return self.mesh.data_rank if self.world_size > 1 else 0
+
+    @property
+    def data_size(self) -> int:
+        """The number of data-parallel ranks (``world_size / space``)."""
+        return self.mesh.data if self.world_size > 1 else 1
+
+    def slab(self, n: int, *, dim: int = -2, halo: int = 1, periodic: bool = True) -> Any:
+        """A slab decomposition of ``n`` rows along ``dim`` over this rank's ``space``
+        group (the whole grid on one process)."""
+        from .domain import Slab
+
+        if self.world_size > 1:
+            if self._mesh is None:
+                self._make_mesh(space_default=True)
+            elif self._mesh.space == 1 and not str(getattr(self.cfg, "mesh", "")).strip():
+                raise ValueError("ctx.slab after ctx.shard: the batch is already split over "
+                                 "every rank; call ctx.slab first in build, or give "
+                                 "--set mesh=DATAxSPACE")
+        self.decomposed = True
+        group = self._mesh.space_group if self._mesh is not None else None
+        return Slab(n, dim=dim, halo=halo, periodic=periodic, group=group)
+
     def batch_slice(self, n: int) -> slice:
-        return shard(n, self.rank, self.world_size)
+        self._sharded = True
+        return shard(n, self.data_rank, self.data_size)
 
     def shard(self, x: Any, dim: int = 0) -> Any:
         if isinstance(x, bool) or not isinstance(x, (int, torch.Tensor)):
             raise TypeError(f"ctx.shard takes a tensor or a batch size, got {type(x).__name__}")
         if isinstance(x, int):
             return self.batch_slice(x)
-        if self.world_size == 1:
-            return x
         s = self.batch_slice(x.shape[dim])
+        if self.data_size == 1:
+            return x
         return x.narrow(dim, s.start, s.stop - s.start)
+
+    def unroll_request(self, step: Any, state: Any, n_steps: int | None = None,
+                       **kw: Any) -> Any:
+        req = super().unroll_request(step, state, n_steps, **kw)
+        b = req.options.get("budget")
+        if self.world_size > 1 and b is not None and torch.distributed.is_initialized():
+            from ..memory.strategies import Budget
+
+            opts = dict(req.options)
+            if not isinstance(b, Budget):
+                b = Budget(b, opts.pop("offload", None), opts.pop("spill_dir", None))
+            if b.group is None:
+                b = Budget(b.budget, b.offload, b.spill_dir, group=torch.distributed.group.WORLD)
+            opts["budget"] = b
+            req = req._replace(options=opts)
+        return req
 
 
 def check_batch(info: DistInfo, problem: Any, ctx: Context) -> None:
@@ -197,11 +272,12 @@ def check_batch(info: DistInfo, problem: Any, ctx: Context) -> None:
     b = int(fn(ctx))
     if b <= 0:
         return
-    if b < info.world_size:
-        raise ValueError(f"batch size {b} is smaller than the number of processes "
-                         f"{info.world_size}: some ranks would get no samples")
-    if b % info.world_size and info.is_main:
-        warnings.warn(f"batch size {b} is not divisible by {info.world_size} processes; shards "
+    k = info.data_size or info.world_size
+    if b < k:
+        raise ValueError(f"batch size {b} is smaller than the number of data-parallel "
+                         f"processes {k}: some ranks would get no samples")
+    if b % k and info.is_main:
+        warnings.warn(f"batch size {b} is not divisible by {k} processes; shards "
                       "differ in size and the averaged gradient is not exactly the full-batch "
                       "one", RuntimeWarning, stacklevel=2)
 
@@ -212,13 +288,17 @@ def average_gradients(info: DistInfo, params: Sequence[torch.Tensor],
     """Average the parameters' gradients, the loss terms and the loss over the ranks
     (all_reduce, sum / world size); returns the averaged ``(terms, loss)`` (detached).
 
+    Under a ``data × space`` mesh (``info.data_size``) the sum is divided by the number of
+    data ranks only: the sum over the space ranks (each holds its block's share) averaged
+    over the data ranks.
+
     A parameter without a gradient on every rank keeps ``grad = None`` (optimisers skip it,
     as in a single-process run); one with a gradient on some ranks gets the others' zeros.
     """
     if not info.enabled:
         return dict(terms), loss
     dist = torch.distributed
-    world = info.world_size
+    world = info.data_size or info.world_size
     dev = loss.device
     has = [p.grad is not None for p in params]
     small = torch.tensor([float(h) for h in has], dtype=torch.float64, device=dev)
