@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if train_args is not None:
         args.train_args = train_args
+    from .distributed.halo import HaloTimeout
+
     try:
         return args.func(args)
     except (ValueError, FloatingPointError, NotImplementedError) as e:
@@ -289,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             msg = (str(e).splitlines() or [type(e).__name__])[0]
         print(f"deepsolve {args.command}: error: {msg}", file=sys.stderr)
         return 2
+    except HaloTimeout as e:  # another rank of a decomposition failed: its message says why
+        print(f"deepsolve {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"deepsolve {args.command}: interrupted", file=sys.stderr)
         return 130

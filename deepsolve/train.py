@@ -538,7 +538,6 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
         dist, device_name = D.setup(config["device"], float(config["dist_timeout"]))
         try:
             D.parse_mesh(config["mesh"], dist.world_size)   # a bad mesh fails before the build
-            D.set_default_timeout(float(config["dist_timeout"]))
             config = config.on_device(device_name)   # "cuda" -> "cuda:LOCAL_RANK" recorded
             res = _train(problem_path, config, dist, out, resume, quiet, locking)
             D.barrier(dist)  # the others wait for rank 0's restart file and log
@@ -1000,18 +999,20 @@ def _check_mesh(problem_path: str, dist, ctx) -> None:
 
 
 def _add_rank_peaks(dist, log, row, device) -> None:
-    """Distributed runs: ``peak_device_memory_max`` and ``peak_host_memory_max``, the largest
-    peak over the ranks (``peak_device_memory``/``peak_host_memory`` stay rank 0's). Kept
-    in a resumed log that has them, left out of one that does not (columns are fixed)."""
+    """Distributed runs: ``peak_device_memory_max``, ``peak_host_memory_max``,
+    ``peak_real_memory_max`` and ``peak_tracked_memory_max``, the largest peak over the
+    ranks (the columns without ``_max`` stay rank 0's). Each is kept in a resumed log that
+    has it and left out of one that does not (columns are fixed)."""
     from .distributed import gather_floats, nanmax
 
-    keys = ("peak_device_memory", "peak_host_memory")
+    keys = ("peak_device_memory", "peak_host_memory", "peak_real_memory",
+            "peak_tracked_memory")
     per_rank = gather_floats(dist, [row[k] for k in keys], device)
     if per_rank is None:
         return
     cols = log.columns
-    if (dist.enabled and not cols) or "peak_host_memory_max" in cols:
-        for j, k in enumerate(keys):
+    for j, k in enumerate(keys):
+        if (dist.enabled and not cols) or f"{k}_max" in cols:
             row[f"{k}_max"] = nanmax([r[j] for r in per_rank])
 
 

@@ -226,6 +226,8 @@ SHIPPED = {
     "burgers_pinn.py": ["n_collocation=256", "width=8", "depth=3", "quad_nodes=40"],
     "navier_stokes_pinn.py": ["n_interior=256", "n_boundary=64", "width=8", "depth=2",
                               "compile=False", "test_grid=11"],
+    "shallow_water.py": ["nx=8", "ny=8", "steps=12", "obs_every=4", "members=2", "budget=",
+                         "snapshots=3"],
     "allen_cahn_pinn.py": ["n_slices=4", "n_per_slice=32", "width=8", "depth=2",
                            "ref_modes=64", "test_nx=16", "test_nt=11", "ref_dt=0.01"],
 }

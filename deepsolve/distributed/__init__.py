@@ -27,12 +27,12 @@ from .data import (
     shard,
 )
 from .domain import Slab
-from .halo import HaloTimeout, halo_exchange, set_default_timeout
+from .halo import HaloTimeout, halo_exchange
 from .mesh import Mesh, make_mesh, parse_mesh
 
 __all__ = [
     "DistInfo", "DistributedContext", "rank_device", "setup", "cleanup", "shard", "barrier",
     "average_gradients", "broadcast_model", "broadcast_buffers", "any_rank", "gather_floats",
-    "check_batch", "nanmax", "halo_exchange", "HaloTimeout", "set_default_timeout", "Slab",
+    "check_batch", "nanmax", "halo_exchange", "HaloTimeout", "Slab",
     "Mesh", "make_mesh", "parse_mesh",
 ]

@@ -203,7 +203,7 @@ class DistributedContext(Context):
         shape = parse_mesh(getattr(self.cfg, "mesh", ""), self.world_size)
         if shape is None:
             shape = (1, self.world_size) if space_default else (self.world_size, 1)
-        self._mesh = make_mesh(*shape, device_type=self.device.type)
+        self._mesh = make_mesh(*shape, device_type=self.device.type, rank=self.rank)
 
     @property
     def data_rank(self) -> int:

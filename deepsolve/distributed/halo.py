@@ -30,9 +30,10 @@ halo term per side).
 Communication: point-to-point ``isend``/``irecv`` of contiguous ``w``-row slices on the
 group (gloo on CPU, NCCL on CUDA), four messages per exchange and four per adjoint, posted
 in an order that matches pairwise even when both neighbours are the same rank (``K = 2``)
-and tagged for gloo. Every receive waits at most ``timeout`` seconds (default: the trainer's
-group timeout, or 600 s); a neighbour that failed or stopped makes this rank raise
-:class:`HaloTimeout`, one line, instead of hanging.
+and tagged for gloo. Every receive waits at most the process group's timeout (the trainer's
+``dist_timeout``; or ``timeout=`` seconds, which costs a little more per wait with gloo); a
+neighbour that failed (its connection closes: at once) or stopped answering (at the
+timeout) makes this rank raise :class:`HaloTimeout`, one line, instead of hanging.
 """
 
 from __future__ import annotations
@@ -42,9 +43,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["halo_exchange", "HaloTimeout", "set_default_timeout", "group_of"]
-
-_DEFAULT_TIMEOUT_S = [600.0]
+__all__ = ["halo_exchange", "HaloTimeout", "group_of"]
 
 # message tags: forward (to the next rank, to the previous one), adjoint (same)
 _TO_NEXT, _TO_PREV, _ADJ_TO_PREV, _ADJ_TO_NEXT = 11, 12, 13, 14
@@ -53,14 +52,6 @@ _TO_NEXT, _TO_PREV, _ADJ_TO_PREV, _ADJ_TO_NEXT = 11, 12, 13, 14
 class HaloTimeout(RuntimeError):
     """A neighbour did not answer a halo exchange in time (it failed, stopped, or runs a
     different schedule)."""
-
-
-def set_default_timeout(seconds: float) -> None:
-    """The time a halo exchange waits for a neighbour before it raises (the trainer sets its
-    group timeout, ``--set dist_timeout=...``)."""
-    if not seconds > 0:
-        raise ValueError(f"halo exchange timeout must be > 0 seconds, got {seconds!r}")
-    _DEFAULT_TIMEOUT_S[0] = float(seconds)
 
 
 def group_of(group: Any = None) -> tuple[Any, int, int]:
@@ -106,16 +97,20 @@ class _Comm:
         for t, peer, tag in recvs:
             works.append(("receive from", peer, dist.irecv(t, group=self.group, tag=tag,
                                                            group_src=peer)))
-        limit = _dt.timedelta(seconds=self.timeout)
+        limit = None if self.timeout is None else _dt.timedelta(seconds=self.timeout)
         for verb, peer, work in works:
             try:
-                work.wait(limit)
+                if limit is None:
+                    work.wait()   # the process group's timeout
+                else:
+                    work.wait(limit)
             except RuntimeError as e:
                 first = " ".join(str(e).split())[:160]
+                waited = "the group's timeout" if limit is None else f"{self.timeout:g} s"
                 raise HaloTimeout(
                     f"halo exchange ({what}): rank {self.rank} of the decomposition could not "
                     f"{verb} rank {peer}: that rank failed or stopped (see its message; waited "
-                    f"at most {self.timeout:g} s) [{first}]") from None
+                    f"at most {waited}) [{first}]") from None
 
     def forward(self, x: torch.Tensor, dim: int, w: int) -> torch.Tensor:
         n = x.shape[dim]
@@ -181,7 +176,8 @@ def halo_exchange(x: torch.Tensor, dim: int, width: int, *, periodic: bool = Tru
             otherwise the rows past the domain's edges are zeros.
         group: the process group the field is decomposed over (``None``: the default group;
             without a process group, a single block).
-        timeout: seconds to wait for a neighbour (default :func:`set_default_timeout`).
+        timeout: seconds to wait for a neighbour (default: the process group's timeout,
+            which the trainer sets from ``--set dist_timeout=...``).
 
     Returns:
         shape ``(..., n + 2 w, ...)``: ``[left halo, x, right halo]``. Differentiable; its
@@ -202,6 +198,5 @@ def halo_exchange(x: torch.Tensor, dim: int, width: int, *, periodic: bool = Tru
                          f"fewer than the halo width {width}; use fewer ranks or a finer grid")
     if size == 1:
         return _pad_local(x, dim, width, periodic)
-    comm = _Comm(g, size, rank, periodic, _DEFAULT_TIMEOUT_S[0] if timeout is None
-                 else float(timeout))
+    comm = _Comm(g, size, rank, periodic, None if timeout is None else float(timeout))
     return _HaloFunction.apply(x, dim, width, comm)

@@ -70,15 +70,17 @@ class Mesh:
         return self.data * self.space
 
 
-def make_mesh(data: int, space: int, device_type: str = "cpu") -> Mesh:
+def make_mesh(data: int, space: int, device_type: str = "cpu", rank: int = 0) -> Mesh:
     """Build the mesh on the running process group (every rank calls it, in the same
-    order); without one (or ``data * space == 1``) the trivial mesh."""
+    order). Without a process group: the coordinates of ``rank`` alone, no groups (a
+    context made outside torchrun, as in tests)."""
     dist = torch.distributed
+    if data < 1 or space < 1:
+        raise ValueError(f"a mesh needs DATA, SPACE >= 1, got {data}x{space}")
     if data * space == 1 or not (dist.is_available() and dist.is_initialized()):
-        if data * space != 1:
-            raise ValueError(f"a {data}x{space} mesh needs {data * space} processes; start "
-                             "the run with torchrun")
-        return Mesh()
+        if not 0 <= rank < data * space:
+            raise ValueError(f"rank {rank} is not in a {data}x{space} mesh")
+        return Mesh(data, space, rank // space, rank % space)
     world, rank = dist.get_world_size(), dist.get_rank()
     if data * space != world:
         raise ValueError(f"a {data}x{space} mesh needs {data * space} processes, not {world}")

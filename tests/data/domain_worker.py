@@ -157,17 +157,17 @@ def scenario_unroll(out, steps=12, snapshots=3):
     return res
 
 
-def scenario_raise(out):
-    """Rank 1 raises inside step 3; every other rank must stop with HaloTimeout."""
-    timeout = float(os.environ.get("HALO_TIMEOUT", "5"))
+def scenario_raise(out, hang=False):
+    """Rank 1 raises inside step 3 (exits), or with ``hang`` stops answering (sleeps); every
+    other rank must stop with HaloTimeout, at once or within the group's timeout."""
     slab = Slab(8 * dist.get_world_size(), dim=-2, halo=1)
     model = Model()
 
     def step(x, i):
         if i == 3 and dist.get_rank() == 1:
-            time.sleep(0.5)
+            time.sleep(15 if hang else 0.5)
             raise RuntimeError("rank 1 fails inside step 3")
-        return x + 0.1 * model.kappa * halo_exchange(x, -2, 1, timeout=timeout)[..., 2:, :]
+        return x + 0.1 * model.kappa * halo_exchange(x, -2, 1)[..., 2:, :]
 
     t0 = time.perf_counter()
     try:
@@ -179,17 +179,29 @@ def scenario_raise(out):
         return {"error": "RuntimeError", "message": str(e), "seconds": time.perf_counter() - t0}
 
 
+def scenario_hang(out):
+    if dist.get_rank() == 1:   # it would answer after 15 s: the others must not wait that long
+        res = {"error": "hung"}
+        with open(os.path.join(out, "rank1.json"), "w") as f:
+            json.dump(res, f)
+    return scenario_raise(out, hang=True)
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    timeout = float(os.environ.get("GROUP_TIMEOUT", "60"))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     rank = dist.get_rank()
+    if scenario == "hang" and rank == 1:
+        scenario_hang(out)
+        os._exit(0)
     try:
         res = globals()[f"scenario_{scenario}"](out)
     except Exception as e:  # recorded, so that the test shows it
         res = {"exception": f"{type(e).__name__}: {e}"}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
-    if scenario != "raise":
+    if scenario not in ("raise", "hang"):
         dist.barrier()
         dist.destroy_process_group()
 
