@@ -4,13 +4,14 @@
     .venv/bin/python benchmarks/domain_scaling.py --device cuda    # one process per GPU, NCCL
 
 Each configuration runs under ``torchrun --nproc-per-node K``: the ranks split the ``ny`` rows
-of a 2-D rotating shallow-water field (problems/shallow_water.py's solver, float64, one halo
-row per RK4 stage) and run forward + backward of ``--steps`` steps under the *same*
-schedule (revolve with ``--snapshots`` slots) ``--repeats`` times after a warm-up. Per rank:
-the median time of forward + backward, the tracked peak (snapshots + saved tensors,
-``MemoryMeter``) and the real peak (RSS high-water mark above the rank's warmed baseline
-on CPU, after ``malloc_trim`` hands the freed pages of the warm-up back; ``max_memory_allocated``
-above the baseline on CUDA). The table gives the largest over the ranks.
+of a 2-D rotating shallow-water field (problems/shallow_water.py's solver, float64; halos of
+4 rows once per RK4 step, ``--exchange stage`` for 1 row per stage) and run forward +
+backward of ``--steps`` steps under the *same* schedule (revolve with ``--snapshots``
+slots) ``--repeats`` times after a warm-up. Per rank: the median time of forward +
+backward, the tracked peak (snapshots + saved tensors, ``MemoryMeter``) and the real peak
+(RSS high-water mark above the rank's warmed baseline on CPU, after ``malloc_trim`` hands
+the freed pages of the warm-up back; ``max_memory_allocated`` above the baseline on CUDA).
+The table gives the largest over the ranks.
 
 * strong scaling: the same ``--ny`` rows on 1, 2, 4 ranks (ideal: time and memory / K);
 * weak scaling: ``--rows`` rows per rank (ideal: constant time and memory).
@@ -62,7 +63,8 @@ def child(args) -> None:
     ny = args.ny if args.mode == "strong" else args.rows * world
     nx, L = args.nx, 1.0e6
     dt = 0.5 * (L / max(nx, ny)) / (9.81 * 140.0) ** 0.5
-    grid = ShallowWater2D(nx=nx, ny=ny, Lx=L, Ly=L, f=1e-4, drag=1e-6, dt=dt)
+    grid = ShallowWater2D(nx=nx, ny=ny, Lx=L, Ly=L, f=1e-4, drag=1e-6, dt=dt,
+                          exchange=args.exchange)
     slab = Slab(ny, dim=-2, halo=grid.halo())
     X, Y = grid.points("eta", slab.start, slab.rows, dtype=torch.float64, device=device)
     coef = torch.tensor([0.1, -0.05], dtype=torch.float64, device=device, requires_grad=True)
@@ -117,7 +119,7 @@ def launch(args, mode: str, k: int) -> list[dict]:
                "--out", out, "--device", args.device, "--nx", str(args.nx), "--ny",
                str(args.ny), "--rows", str(args.rows), "--steps", str(args.steps),
                "--snapshots", str(args.snapshots), "--repeats", str(args.repeats),
-               "--members", str(args.members)]
+               "--members", str(args.members), "--exchange", args.exchange]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if r.returncode:
             raise SystemExit(f"{mode} K={k} failed:\n{r.stderr[-3000:]}")
@@ -138,13 +140,16 @@ def main() -> None:
     ap.add_argument("--snapshots", type=int, default=20)
     ap.add_argument("--members", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--exchange", default="step", choices=["step", "stage"],
+                    help="halos: 4 rows once per RK4 step, or 1 row per stage")
     args = ap.parse_args()
     if args.child:
         child(args)
         return
     procs = [int(p) for p in args.procs.split(",")]
     print(f"shallow water {args.nx} columns, float64, {args.steps} steps, revolve "
-          f"s={args.snapshots}, {args.members} member(s), device {args.device}; per rank: "
+          f"s={args.snapshots}, {args.members} member(s), halo exchange per {args.exchange}, "
+          f"device {args.device}; per rank: "
           "median of forward+backward, tracked and real peak (largest over the ranks)\n")
     print("ideal: strong scaling divides time and memory per rank by K, weak scaling keeps "
           "them; the `/ ideal` columns are 1.00 when it does\n")

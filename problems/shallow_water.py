@@ -24,9 +24,11 @@ unroll**, checkpointed under the run's ``budget``.
 
 Domain decomposition. ``build`` splits the ``ny`` rows over the ``space`` ranks of the run
 (``ctx.slab``): under ``torchrun --nproc-per-node K`` each rank holds ``ny / K`` rows of the
-state, the depth and the observations, exchanges one halo row per RK4 stage, and the
+state, the depth and the observations, exchanges halos with its two neighbours, and the
 trainer sums the loss shares and gradients over the ranks, so the run equals the single-
-process one to rounding. ``--set mesh=2x2`` splits 4 processes into 2 data-parallel groups
+process one to rounding. Each rank exchanges one 4-row halo per RK4 step
+(``exchange="step"``: the stages run on a shrinking halo; the same bits as one row per
+stage, a quarter of the messages). ``--set mesh=2x2`` splits 4 processes into 2 data-parallel groups
 (members) of 2 space ranks. The truth is computed decomposed too (no rank ever holds the
 whole field, except ``evaluate``'s depth, which is a function of the replicated
 coefficients).
@@ -101,6 +103,7 @@ class ShallowWaterBathymetry(deepsolve.Problem):
         "cfl": 0.5,             # gravity-wave CFL number that sets dt
         "drag": 1.0e-6,         # linear bottom drag [1/s]
         "viscosity": 0.0,       # [m^2/s]
+        "exchange": "step",     # halos: 4 rows once per RK4 step ("step") or 1 per stage
         # truth and data
         "modes": 2,             # |m|, |n| <= modes: 12 wavevectors, 24 coefficients
         "depth_seed": 7,
@@ -124,7 +127,8 @@ class ShallowWaterBathymetry(deepsolve.Problem):
         dx = L / max(nx, ny)
         dt = float(cfg.cfl) * dx / math.sqrt(9.81 * h0 * (1 + 4 * float(cfg.depth_rms)))
         grid = ShallowWater2D(nx=nx, ny=ny, Lx=L, Ly=L, g=9.81, f=float(cfg.f),
-                              drag=float(cfg.drag), viscosity=float(cfg.viscosity), dt=dt)
+                              drag=float(cfg.drag), viscosity=float(cfg.viscosity), dt=dt,
+                              exchange=str(cfg.exchange))
         slab = ctx.slab(ny, dim=-2, halo=grid.halo())   # first: the ranks that share a field
         dtype, device = ctx.dtype, ctx.device
         basis = _basis(grid, int(cfg.modes), slab.start, slab.rows, dtype, device)

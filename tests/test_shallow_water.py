@@ -276,7 +276,7 @@ def _halo_pad(a, b, source, calls):
     """pad for the slab of global rows a..b-1: halo rows from ``source(call_index)``."""
 
     def pad(x, width):
-        assert width == 1
+        assert width in (1, 4)   # one row per stage, or four once per step
         X = source(len(calls))
         ny = X.shape[-2]
         calls.append(width)
@@ -354,6 +354,33 @@ def test_slabs_in_lockstep_exchanging_halos_among_themselves():
         t.join()
     assert all(o is not None for o in out)
     assert float((torch.cat(out, dim=-2) - S).abs().max()) <= 1e-14
+
+
+@pytest.mark.parametrize("n_slabs", [1, 2, 4])
+def test_one_wide_halo_per_step_gives_the_same_bits_as_one_halo_per_stage(n_slabs):
+    """exchange="step": one pad of 4 rows per step, stages on shrinking halos; equal to the
+    per-stage exchange to the last bit, on the whole grid and on slabs."""
+    base = dict(nx=8, ny=16, dt=0.01, drag=0.1, viscosity=1e-3)
+    grid, wide = nondim_grid(**base), nondim_grid(**base, exchange="step")
+    assert (grid.halo(), wide.halo()) == (1, 4)
+    state, depth = random_problem(grid, seed=6, amp=0.2, vel=0.3)
+    S = grid.step(grid.step(state, depth), depth)
+    rows = grid.ny // n_slabs
+
+    def stacked(st):   # what step pads: (eta, u, v, depth) of the whole grid
+        return torch.cat([st, depth.expand_as(st[..., :1, :, :])], dim=-3)
+
+    X0, X1 = stacked(state), stacked(grid.step(state, depth))
+    for p in range(n_slabs):
+        a, b = p * rows, (p + 1) * rows
+        calls = []
+        S1 = wide.step(state[..., a:b, :], depth[a:b], _halo_pad(a, b, lambda i: X0, calls))
+        assert calls == [4]
+        S2 = wide.step(S1, depth[a:b], _halo_pad(a, b, lambda i: X1, calls))
+        assert calls == [4, 4]
+        assert torch.equal(S2, S[..., a:b, :])
+    with pytest.raises(ValueError, match="exchange must be"):
+        nondim_grid(**base, exchange="never")
 
 
 def test_slab_coordinates_and_energy_add_up():
