@@ -198,7 +198,7 @@ def test_shallow_water_trains_the_same_on_one_and_on_several_processes(tmp_path,
     assert float((ck - c1).abs().max() / c1.abs().max()) < 1e-10
     log1 = read_log(os.path.join(out1, "log.h5"))
     logk = read_log(os.path.join(tmp_path / "run", "log.h5"))
-    for term in ("loss", "loss/misfit"):
+    for term in ("loss", "loss/misfit", "grad_norm"):
         a, b = log1.columns[term], logk.columns[term]
         assert abs(a - b).max() <= 1e-10 * abs(a).max(), term
 
@@ -253,3 +253,15 @@ def test_a_rank_that_raises_in_training_makes_every_rank_exit_with_one_line(tmp_
     # the iteration before the failure is kept: the log and the restart file are valid
     log = read_log(os.path.join(tmp_path / "f", "log.h5"))
     assert log.n_rows >= 1
+
+
+def test_submit_writes_a_batch_script_for_a_decomposed_run(tmp_path, capsys):
+    from deepsolve.cli import main
+
+    out = tmp_path / "sw"
+    assert main(["submit", SW, "--nodes", "2", "--gpus-per-node", "4", "--time", "02:00:00",
+                 "--out", str(out), "--dry-run", "--", "--set", "mesh=2x4"]) == 0
+    text = capsys.readouterr().out
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
+    assert "NPROC=4" in text and "shallow_water.py" in text and "mesh=2x4" in text
+    assert "--device cuda" in text

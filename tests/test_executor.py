@@ -466,3 +466,23 @@ def test_an_inference_mode_x0_gets_a_one_line_error(kw):
         assert torch.allclose(unroll(step, x0, 5, snapshots=2), plain(step, x0, 5))
     got = grads(unroll(step, x0.clone(), 5, snapshots=2), [w])  # what the message says
     assert rel_err(got[0], grads(plain(step, x0.clone(), 5), [w])[0]) <= 1e-10
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_a_checkpointed_unroll_lets_its_final_state_and_outputs_go(backward):
+    """The run behind the autograd node must not hold the tensors the node produced: that
+    cycle passes through C++ and Python's gc never frees it (one state and the stacked
+    outputs kept per unroll, for good)."""
+    import gc
+    import weakref
+
+    w = torch.tensor(0.5, requires_grad=True)
+    x0 = torch.ones(4, requires_grad=True)
+    for schedule in ({"snapshots": 3}, {"schedule": "periodic"}, {"budget": "1MiB"}):
+        xT, outs = deepsolve.unroll(lambda x, i: (x * w, x.sum()), x0, 20, **schedule)
+        refs = [weakref.ref(xT), weakref.ref(outs)]
+        if backward:
+            (xT.sum() + outs.sum()).backward()
+        del xT, outs
+        gc.collect()
+        assert all(r() is None for r in refs), schedule

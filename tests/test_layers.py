@@ -96,3 +96,20 @@ def test_every_engine_module_is_reexported():
                     isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
                 for name in ast.literal_eval(node.value):
                     assert name in engine.__all__, f"{rel}: {name} is not in deepsolve.engine"
+
+
+# the domain decomposition's building blocks know torch.distributed, not the trainer: a
+# physics code imports them without layer 5 (distributed/data.py is the trainer's part)
+ALLOWED_FILES = {
+    "distributed/halo.py": set(),
+    "distributed/mesh.py": set(),
+    "distributed/domain.py": {"deepsolve.distributed.halo"},
+    "memory/agree.py": {"deepsolve.memory.profiling"},
+}
+
+
+@pytest.mark.parametrize("path", sorted(ALLOWED_FILES))
+def test_the_decomposition_blocks_import_no_layer_above_them(path):
+    tree = next(t for rel, t in _modules() if str(rel) == path)
+    used = {mod for mod, _, _ in _imports(pathlib.Path(path), tree) if _top(mod) is not None}
+    assert used <= ALLOWED_FILES[path], f"{path} imports {sorted(used - ALLOWED_FILES[path])}"

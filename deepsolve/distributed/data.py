@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..problem import Context
+from .domain import shard
 
 __all__ = [
     "DistInfo", "DistributedContext", "rank_device", "setup", "cleanup", "shard", "barrier",
@@ -149,19 +150,6 @@ def cleanup(info: DistInfo) -> None:
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         torch.distributed.barrier()
-
-
-def shard(n: int, rank: int, world: int) -> slice:
-    """This rank's contiguous part of a batch dimension of size ``n``: ``world`` blocks whose
-    sizes differ by at most one (the first ``n % world`` ranks get one more)."""
-    n, rank, world = int(n), int(rank), int(world)
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    if n < 0:
-        raise ValueError(f"batch size must be >= 0, got {n}")
-    base, extra = divmod(n, world)
-    start = rank * base + min(rank, extra)
-    return slice(start, start + base + (1 if rank < extra else 0))
 
 
 class DistributedContext(Context):

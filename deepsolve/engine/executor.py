@@ -561,7 +561,12 @@ class _UnrollFunction(torch.autograd.Function):
         ctx.n_final = len(ex.final)
         if ex.const:  # state leaves that depend on nothing requiring grad
             ctx.mark_non_differentiable(*[ex.final[k] for k in ex.const])
-        return (*ex.final, *ex.outs)  # computed by ex.forward before apply
+        out = (*ex.final, *ex.outs)  # computed by ex.forward before apply
+        # the outputs now carry this node as grad_fn; the run must not hold them too, or
+        # outputs -> node -> ctx.ex -> outputs is a cycle through C++ that Python's gc cannot
+        # see, and every checkpointed unroll would keep its final state and outputs for good
+        ex.final = ex.outs = None
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
