@@ -1058,6 +1058,8 @@ def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, c
 
     def evaluate_loss():
         optimizer.zero_grad(set_to_none=True)
+        if meter is not None:   # this evaluation's unrolls (the earlier ones are released)
+            meter.stats.start = len(ctx.unroll_stats)
         ta = time.perf_counter()
         terms = _check_terms(problem.residuals(ctx, it), it)
         loss = sum(float(weights.get(k, 1.0)) * v.reshape(()) for k, v in terms.items())
@@ -1113,14 +1115,17 @@ def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, c
 
 
 class _StatsSum:
-    """The snapshot bytes of all unrolls of an iteration, for the memory meter."""
+    """The snapshot bytes of the unrolls of one loss evaluation, for the memory meter: those
+    from ``start`` on (an L-BFGS iteration evaluates the loss several times, one after the
+    other; their unrolls never hold snapshots at once)."""
 
     def __init__(self, stats):
         self.stats = stats
+        self.start = 0
 
     @property
     def snapshot_bytes_peak(self) -> int:
-        return sum(s.snapshot_bytes_peak for s in self.stats)
+        return sum(s.snapshot_bytes_peak for s in self.stats[self.start:])
 
 
 def _fmt_mem(x) -> str:

@@ -86,7 +86,7 @@ def _basis(grid: ShallowWater2D, modes: int, j0: int, rows: int, dtype, device):
 class ShallowWaterBathymetry(deepsolve.Problem):
     defaults = {
         # trainer
-        "iterations": 6,        # L-BFGS steps (each evaluates the loss <= lbfgs_iters + ~2 times)
+        "iterations": 10,       # L-BFGS steps (each evaluates the loss <= lbfgs_iters + ~2 times)
         "lr": 1.0,
         "steps": 1000,          # RK4 steps through which we train
         "budget": "256MiB",     # per device: the planner picks the schedule

@@ -549,3 +549,17 @@ def test_version(capsys):
         run_cli("--version")
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"deepsolve {deepsolve.__version__}"
+
+
+def test_an_lbfgs_iteration_tracks_one_loss_evaluation_at_a_time(tmp_path):
+    """L-BFGS evaluates the loss several times per iteration, one after the other: the
+    tracked peak is the largest of them (each under the budget), not their sum."""
+    out = tmp_path / "run"
+    budget = 48 * 1024
+    problem = os.path.join(ROOT, "problems", "burgers_assimilation.py")
+    assert run_cli("train", problem, "--out", out, "--iterations", 2, "--quiet", "--budget",
+                   budget, "--set", "steps=60", "--set", "n=32", "--set", "lbfgs_iters=5") == 0
+    log = read_log(out / "log.h5")
+    assert np.all(log.columns["recorded"] >= 3 * 60)   # several evaluations per iteration
+    tracked = log.columns["peak_tracked_memory"]
+    assert np.all(tracked > 0) and np.all(tracked <= budget), tracked

@@ -236,18 +236,21 @@ class DistributedContext(Context):
     def unroll_request(self, step: Any, state: Any, n_steps: int | None = None,
                        **kw: Any) -> Any:
         req = super().unroll_request(step, state, n_steps, **kw)
-        b = req.options.get("budget")
-        if self.world_size > 1 and b is not None and torch.distributed.is_initialized():
-            from ..memory.strategies import Budget
+        if self.world_size == 1 or not torch.distributed.is_initialized():
+            return req
+        from ..memory.strategies import Budget
 
-            opts = dict(req.options)
+        opts = dict(req.options)
+        for key in ("budget", "schedule"):   # budget="2GiB", budget=Budget(..), schedule=Budget(..)
+            b = opts.get(key)
+            if b is None or (key == "schedule" and not isinstance(b, Budget)):
+                continue
             if not isinstance(b, Budget):
                 b = Budget(b, opts.pop("offload", None), opts.pop("spill_dir", None))
             if b.group is None:
                 b = Budget(b.budget, b.offload, b.spill_dir, group=torch.distributed.group.WORLD)
-            opts["budget"] = b
-            req = req._replace(options=opts)
-        return req
+            opts[key] = b
+        return req._replace(options=opts)
 
 
 def check_batch(info: DistInfo, problem: Any, ctx: Context) -> None:
