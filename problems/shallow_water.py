@@ -42,7 +42,10 @@ Loss terms (shares of global means, ``slab.mean``/``slab.share``):
 ``evaluate``: ``depth_rel_error`` :math:`\|H - H^\star\|/\|H^\star - H_0\|` (1 at the
 flat start) and ``coef_rel_error``.
 
-Defaults (64 x 64, 1000 steps, L-BFGS): see docs/hpc.md for the runs and their numbers.
+Defaults (32 x 32, 2 members, 1000 steps, float64, L-BFGS with 4 inner iterations, budget
+256 MiB: revolve_tail with 807 slots and the last 193 steps kept recorded): 10 iterations
+take 7.1 min on one process of this 2-core machine and bring ``depth_rel_error`` from 1 to
+6.9e-5 (the misfit from 0.38 to 7e-10); the runs are in docs/hpc.md.
 """
 
 from __future__ import annotations
