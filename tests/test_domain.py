@@ -132,7 +132,7 @@ def test_a_decomposed_checkpointed_unroll_has_the_single_process_gradients(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [4])   # rank 1's neighbours (0, 2) and a rank beyond (3)
 def test_a_rank_that_raises_inside_a_step_stops_every_rank_with_one_line(tmp_path, nproc):
     t0 = time.perf_counter()
     res = _worker(tmp_path, nproc, "raise", GROUP_TIMEOUT="30")
@@ -148,10 +148,10 @@ def test_a_rank_that_raises_inside_a_step_stops_every_rank_with_one_line(tmp_pat
 @pytest.mark.slow
 def test_a_rank_that_stops_answering_stops_the_others_within_the_group_timeout(tmp_path):
     t0 = time.perf_counter()
-    res = _worker(tmp_path, 2, "hang", GROUP_TIMEOUT="4")
+    res = _worker(tmp_path, 2, "hang", GROUP_TIMEOUT="3")
     assert res[1]["error"] == "hung"
     assert res[0]["error"] == "HaloTimeout" and "\n" not in res[0]["message"], res[0]
-    assert 3 < res[0]["seconds"] < 4 + 10
+    assert 2 < res[0]["seconds"] < 3 + 4   # the timeout, not rank 1's 8 s
     assert time.perf_counter() - t0 < 60
 
 

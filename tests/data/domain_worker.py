@@ -165,7 +165,7 @@ def scenario_raise(out, hang=False):
 
     def step(x, i):
         if i == 3 and dist.get_rank() == 1:
-            time.sleep(15 if hang else 0.5)
+            time.sleep(8 if hang else 0.5)
             raise RuntimeError("rank 1 fails inside step 3")
         return x + 0.1 * model.kappa * halo_exchange(x, -2, 1)[..., 2:, :]
 
@@ -180,7 +180,7 @@ def scenario_raise(out, hang=False):
 
 
 def scenario_hang(out):
-    if dist.get_rank() == 1:   # it would answer after 15 s: the others must not wait that long
+    if dist.get_rank() == 1:   # it would answer after 8 s: the others must not wait that long
         res = {"error": "hung"}
         with open(os.path.join(out, "rank1.json"), "w") as f:
             json.dump(res, f)
