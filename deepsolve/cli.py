@@ -82,7 +82,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .train import PREEMPTED_EXIT_CODE, train
 
     overrides = {k: getattr(args, k) for k in ("iterations", "steps", "budget", "snapshots",
-                                               "device", "dtype", "seed", "lr", "threads")}
+                                               "device", "dtype", "seed", "lr", "threads",
+                                               "tensorboard")}
     res = train(args.problem, overrides=overrides, sets=args.set, out=args.out,
                 resume=args.resume, quiet=args.quiet,
                 locking=False if args.no_file_locking else None)
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override any problem setting, typed by its default (repeatable)")
     tr.add_argument("--resume", action="store_true",
                     help="continue from RUN_DIR/restart.pt, appending to the log")
+    tr.add_argument("--tensorboard", nargs="?", const="tensorboard", metavar="DIR",
+                    help="also write the log's scalars as TensorBoard event files, in DIR "
+                    "(default RUN_DIR/tensorboard; needs the [tensorboard] extra)")
     tr.add_argument("--quiet", action="store_true", help="no progress bar")
     tr.add_argument("--no-file-locking", action="store_true",
                     help="open the HDF5 log without file locks (Lustre/GPFS/NFS)")

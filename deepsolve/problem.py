@@ -74,6 +74,8 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "adjoint_every": 0,      # log the adjoint norms of one unroll every N iterations (0 = off)
     "mesh": "",              # distributed runs: DATAxSPACE ranks ("" = all space with ctx.slab)
     "dist_timeout": 600.0,   # seconds a rank waits for the others before it stops with an error
+    "tensorboard": "",       # mirror the log's scalars to TensorBoard in this directory
+                             # ("" = off; relative: inside the run directory)
 }
 
 

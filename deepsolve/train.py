@@ -397,7 +397,7 @@ def _restore(path: str, state: dict[str, Any], problem: Problem, ctx: Context, m
 
 
 #: Settings a resumed run may change without a warning: how long and how it runs, not what.
-_RUN_CONTROL = frozenset({"iterations", "threads", "progress_every"})
+_RUN_CONTROL = frozenset({"iterations", "threads", "progress_every", "tensorboard"})
 
 
 def changed_settings(recorded: Any, cfg: Mapping[str, Any]) -> list[str]:
@@ -800,6 +800,18 @@ def _remove_empty_dir(path: str) -> None:
         pass
 
 
+def _mirrored(log, logdir: str, start: int):
+    """The log with its rows mirrored to TensorBoard event files in ``logdir`` (a resumed
+    run hides the events a killed run wrote from ``start`` on)."""
+    from .io.tracking import MirroredLog, TensorBoardMirror
+
+    try:
+        return MirroredLog(log, TensorBoardMirror(logdir, purge_step=start or None))
+    except BaseException:
+        log.close()
+        raise
+
+
 def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
          log_path: str, restart_path: str, quiet: bool, locking: bool | None,
          stop: _Preemption, created: bool) -> TrainResult:
@@ -854,6 +866,8 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
                         curves=("adjoint_norms",) if int(cfg["adjoint_every"]) else ())
         for w in caught:
             _note(" ".join(str(w.message).split()))
+        if cfg["tensorboard"]:
+            log = _mirrored(log, os.path.join(run_dir, cfg["tensorboard"]), start)
     else:
         log = _NoLog()
     iterations = int(cfg["iterations"])
