@@ -4,14 +4,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned to the release on this machine's disk (a plain `torch` pulls a CUDA build)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,docs,tensorboard]'
 	touch $(STAMP)
 
 # each demo run gets its own directory; runs/navier_stokes-latest points at the newest
@@ -25,7 +25,13 @@ test: $(STAMP)
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check deepsolve tests benchmarks problems
+	$(VENV)/bin/ruff check deepsolve tests benchmarks problems examples docs/site
+	$(VENV)/bin/mypy deepsolve
+
+# the API reference site in build/site (strict: a broken link or reference fails)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+	@echo "site: build/site/index.html (serve: $(VENV)/bin/mkdocs serve)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
