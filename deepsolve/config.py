@@ -182,7 +182,7 @@ def parse_curriculum(text: Any) -> tuple[tuple[int, int], ...]:
             "curriculum=0:50,200:400,600:2000")
     if not isinstance(text, str):
         raise ConfigError(f"--set curriculum={text!r}: not a list of stages; {hint}")
-    stages = []
+    stages: list[tuple[int, int]] = []
     for part in text.split(","):
         a, sep, b = part.partition(":")
         try:

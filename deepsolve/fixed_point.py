@@ -451,7 +451,7 @@ def _iterate(f, z0, method, crit: _Criterion, max_iter: int, where: str) -> _Res
 
 def _checked(f: Callable, z0: torch.Tensor) -> Callable:
     """``f`` wrapped to check, once, that it keeps the shape, dtype and device of ``z``."""
-    done = []
+    done: list[bool] = []
 
     def g(z):
         out = f(z)
@@ -678,6 +678,7 @@ def fixed_point(
     if backward == "unrolled" and grad_on:
         # the solver runs once, inside an unknown-length unroll (online checkpoint schedule)
         z = _unrolled_until(fn, z0, method, crit, max_iter, ukw, st)
+        assert st.sample_residuals is not None  # set by _unrolled_until
         _report(_Result((), st.iterations, st.converged, st.residuals, st.sample_residuals),
                 tol, max_iter, strict, where)
         st.forward_time = time.perf_counter() - t0

@@ -72,6 +72,8 @@ from .schedules import Schedule, periodic, revolve
 from .unroll import UnrollStats, unroll
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from .config import RunConfig
     from .problem import UnrollRequest
 
@@ -212,8 +214,8 @@ def _err(e: float | None) -> str:
 
 @dataclass
 class _RNG:
-    torch: torch.Tensor
-    cuda: list[torch.Tensor] | None
+    torch: Tensor  # (a field named `torch` hides the module in the class body)
+    cuda: list[Tensor] | None
     random: Any
     numpy: dict
 
@@ -318,6 +320,7 @@ def _rel(a: torch.Tensor | None, b: torch.Tensor | None, floor: float) -> float:
         return 0.0
     if a is None or b is None:
         t = a if b is None else b
+        assert t is not None  # exactly one is absent
         return 0.0 if not bool((t != 0).any()) else math.inf
     a, b = a.detach().double(), b.detach().double()
     if a.is_complex() or b.is_complex():
@@ -418,8 +421,8 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
         extra.extend(wrt)
     owner = step if isinstance(step, torch.nn.Module) else getattr(step, "__self__", None)
     if isinstance(owner, torch.nn.Module):
-        for k, p in owner.named_parameters():
-            names.setdefault(id(p), k)
+        for pname, param in owner.named_parameters():
+            names.setdefault(id(param), pname)
     extra.extend(p for p in (unroll_kwargs.get("params") or []) if isinstance(p, torch.Tensor))
 
     base = {k: v for k, v in unroll_kwargs.items() if k not in _SCHEDULE_KW}
@@ -511,16 +514,16 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
     big = max([n for n in finite_norms if math.isfinite(n)] or [0.0])
     floor = _FLOOR * big
     rows = []
-    for k, (name, t) in enumerate(inputs):
-        g_ref = ref_grads[k]
+    for j, (name, t) in enumerate(inputs):
+        g_ref = ref_grads[j]
         ref_norm = float(g_ref.detach().double().norm()) if g_ref is not None else 0.0
         row = GradientRow(name, tuple(t.shape), ref_norm, reached=g_ref is not None)
         for label, ((_, g1), (_, g2)) in results.items():
-            e = _rel(g1[k], g_ref, floor)
-            row.errors[label] = e
-            if g1[k] is None and g_ref is not None and ref_norm > 0:
+            err = _rel(g1[j], g_ref, floor)
+            row.errors[label] = err
+            if g1[j] is None and g_ref is not None and ref_norm > 0:
                 row.missing.append(label)
-            row.replay = max(row.replay, _rel(g2[k], g1[k], floor))
+            row.replay = max(row.replay, _rel(g2[j], g1[j], floor))
         rows.append(row)
     forward = {label: max(_forward_diff(v1, ref_values), _forward_diff(v2, v1))
                for label, ((v1, _), (v2, _)) in results.items()}
@@ -734,8 +737,10 @@ def _check_residuals(problem_path: str, problem, ctx, cfg: RunConfig, terms0, rn
 
         def other(settings: dict) -> tuple[float, list, int]:
             prob2, ctx2, _ = build(problem_path, cfg.replace(**settings))
+            assert ctx2.model is not None  # build() makes it
             ctx2.model.load_state_dict(ctx.model.state_dict())
-            p2 = [p for _, p in ctx2.model.named_parameters() if p.requires_grad]
+            p2: list[torch.Tensor] = [p for _, p in ctx2.model.named_parameters()
+                                      if p.requires_grad]
             t2, saved, esc2 = _evaluate(prob2, ctx2, rng0)
             escaped.update(esc2)
             loss, g = _loss_and_grads(prob2, ctx2, t2, weights, p2)

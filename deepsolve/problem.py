@@ -36,8 +36,8 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Mapping
-from types import SimpleNamespace
-from typing import Any, NamedTuple
+from types import MethodType, SimpleNamespace
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -197,10 +197,12 @@ class Context:
                 kw["snapshots"] = int(self.cfg.snapshots)
         fn = step
         if hasattr(step, "__self__") and isinstance(step.__self__, Problem):
-            key = (id(step.__func__), id(step.__self__))
-            fn = self._bound.get(key)
-            if fn is None:
-                fn = self._bound[key] = _bind_ctx(step, self)
+            method = cast(MethodType, step)  # a method bound to a Problem
+            key = (id(method.__func__), id(method.__self__))
+            bound = self._bound.get(key)
+            if bound is None:
+                bound = self._bound[key] = _bind_ctx(step, self)
+            fn = bound
         return UnrollRequest(fn, state, n, kw)
 
     def unroll(self, step: Callable, state: Any, n_steps: int | None = None, **kw) -> Any:
@@ -236,7 +238,7 @@ class UnrollRequest(NamedTuple):
 
     step: Callable
     state: Any
-    n_steps: int | None
+    n_steps: int  # the context's horizon when the call gives none
     options: dict
 
 

@@ -226,6 +226,7 @@ def _profile(layers: list, x: torch.Tensor, repeats: int) -> ChainProfile:
         if isinstance(layer, torch.nn.Module):
             own |= {key(t)[0] for t in (*layer.parameters(), *layer.buffers())}
         out_ptr = key(y)[0]
+        assert tape.seen is not None  # record=True
         saved = {ptr: nb for ptr, nb in tape.seen.items() if ptr not in own}
         keeps_out = out_ptr in saved  # e.g. ReLU, tanh: the output is the next state
         states.append(_nbytes(nxt))
@@ -322,6 +323,7 @@ class _Chain(Interpreter):
     def _reverse(self, cur: list | None, i: int) -> None:
         tape = self.tapes.pop(i, None)
         if tape is None:
+            assert cur is not None  # the interpreter checked that x_i is the current state
             tape = self._record(cur[0], i)[0]
         self._pull(tape, i)
 
@@ -339,6 +341,7 @@ class _Chain(Interpreter):
         if self.stats is not None:
             self.stats.forward_time = time.perf_counter() - t0
             self._fill()
+        assert out is not None  # the branch above that leaves it None is never taken
         return out
 
     def backward(self, g: torch.Tensor | None):
@@ -378,6 +381,7 @@ class _Chain(Interpreter):
                 self.grads.add(k, gk)
 
     def _fill(self) -> None:
+        assert self.stats is not None  # callers check
         self.stats.advances = self.advances
         self.stats.recorded = self.recorded
 
@@ -500,8 +504,13 @@ class _Listed(Schedule):
 
     def __init__(self, actions: tuple, like: Schedule | None = None, n: int | None = None):
         self.actions = actions
-        self.n_steps = like.n_steps if like is not None else n
-        self.slots = like.slots if like is not None else {0: max(n or 1, 1)}
+        if like is not None:
+            self.n_steps = like.n_steps
+            self.slots = like.slots
+        else:
+            assert n is not None  # given when `like` is not
+            self.n_steps = n
+            self.slots = {0: max(n or 1, 1)}
 
     def __iter__(self):
         return iter(self.actions)
@@ -585,6 +594,7 @@ def sequential(
         stats.profile_time, stats.plan_time = t1 - t0, t2 - t1
         stats.schedule, stats.mode, stats.block = desc, pmode, pblock
         stats.predicted_peak = peak
+        assert costs.backward is not None  # ChainCosts.__post_init__ fills it
         stats.predicted_time = adv_cost + sum(costs.forward) + sum(costs.backward)
     # every parameter once, with per-layer indices (a module may appear in several layers)
     all_params: list[torch.Tensor] = []

@@ -42,7 +42,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -117,7 +117,8 @@ def run_threads(threads: int):
 
 
 def _rng_state(ctx: Context) -> dict[str, Any]:
-    np_state = np.random.get_state()
+    # numpy's stub types the result `dict | tuple`; legacy=True (the default) gives the tuple
+    np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     state = {
         "torch": torch.get_rng_state(),
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
@@ -232,9 +233,9 @@ def load_restart(path: str) -> dict[str, Any]:
     if missing:
         raise RestartError(f"{path}: not a complete restart file: no "
                            f"{', '.join(map(repr, missing))}")
-    for k, types in _TYPES.items():
-        if k in state and not isinstance(state[k], types):
-            raise RestartError(f"{path}: {k!r} is a {type(state[k]).__name__}, not a "
+    for name, types in _TYPES.items():
+        if name in state and not isinstance(state[name], types):
+            raise RestartError(f"{path}: {name!r} is a {type(state[name]).__name__}, not a "
                                f"{'dict' if types == (Mapping,) else 'str'}")
     k = state["iteration"]
     if isinstance(k, torch.Tensor) and k.numel() == 1 and not k.is_floating_point():
@@ -829,6 +830,7 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
         _check_mesh(problem_path, dist, ctx)
         D.check_batch(dist, problem, ctx)
         model = ctx.model
+        assert model is not None  # build() checked it
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ProblemError(f"{problem_path}: ctx.model has no trainable parameters")
@@ -858,6 +860,7 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
     attrs["weights"] = {k: float(v) for k, v in weights.items()}
     if not run.resume_log:   # before training: the model as built (kept by a resumed log)
         attrs["initial_metrics"] = baseline
+    log: H5Log | _NoLog  # or a MirroredLog (duck-typed as an H5Log)
     if main:   # the restart file and the log's rows have been checked: now the log changes
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
@@ -1068,7 +1071,7 @@ def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, c
     ctx.unroll_stats.clear()
     meter = MemoryMeter(dev, stats=_StatsSum(ctx.unroll_stats)) if track else None
     t0 = time.perf_counter()
-    timing = {}
+    timing: dict[str, Any] = {}
 
     def evaluate_loss():
         optimizer.zero_grad(set_to_none=True)
@@ -1076,7 +1079,9 @@ def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, c
             meter.stats.start = len(ctx.unroll_stats)
         ta = time.perf_counter()
         terms = _check_terms(problem.residuals(ctx, it), it)
-        loss = sum(float(weights.get(k, 1.0)) * v.reshape(()) for k, v in terms.items())
+        # a tensor: _check_terms refused an empty dict (sum() types it `| Literal[0]`)
+        loss = cast(torch.Tensor,
+                    sum(float(weights.get(k, 1.0)) * v.reshape(()) for k, v in terms.items()))
         tb = time.perf_counter()
         loss.backward()
         if dist is not None and dist.enabled:  # average gradients, terms and loss over ranks

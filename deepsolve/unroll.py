@@ -10,7 +10,7 @@ docs/budget.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -158,6 +158,7 @@ def unroll(
                        preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
                        snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook,
                        truncate=truncate, n_steps=n_steps)
+    sched: Schedule
     if isinstance(how, Budget):
         if n_steps == 0 or not torch.is_grad_enabled():
             sched = store_all(n_steps)
@@ -171,7 +172,8 @@ def unroll(
             if stats is not None:
                 stats.extra["plan"] = p
     else:
-        sched = _schedule_of(how, n_steps)
+        # as_strategy(online=False) gives neither None nor an online schedule
+        sched = _schedule_of(cast("Strategy | Schedule", how), n_steps)
         if sched.kind == "store_all" and n_steps >= _CHECK_STORE_ALL_FROM and \
                 torch.is_grad_enabled():
             _check_store_all_fits(step, state, n_steps, params)
@@ -216,6 +218,7 @@ def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dt
         stats.extra["plan"] = p
     storage = _second_level(p, how)
     strategy = p.strategy
+    assert strategy is not None  # every plan has its strategy
 
     def window(length: int) -> Schedule:
         if length == m:

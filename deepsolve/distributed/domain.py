@@ -54,7 +54,7 @@ class _Local(torch.autograd.Function):
     blocks' gradients summed over the group)."""
 
     @staticmethod
-    def forward(ctx, x, slab: Slab):
+    def forward(ctx, x, slab: _Bound):
         ctx.slab, ctx.shape = slab, x.shape
         return x.narrow(slab.dim, slab.start, slab.rows).clone()
 
@@ -71,7 +71,7 @@ class _Gather(torch.autograd.Function):
     """Forward: the full tensor from the blocks, on every rank. Backward: this rank's part."""
 
     @staticmethod
-    def forward(ctx, x, slab: Slab):
+    def forward(ctx, x, slab: _Bound):
         ctx.slab = slab
         return slab._all_gather(x)
 

@@ -78,7 +78,7 @@ def _pad_local(x: torch.Tensor, dim: int, w: int, periodic: bool) -> torch.Tenso
 class _Comm:
     """One exchange's peers and timeout on a group of ``size > 1``."""
 
-    def __init__(self, group, size: int, rank: int, periodic: bool, timeout: float):
+    def __init__(self, group, size: int, rank: int, periodic: bool, timeout: float | None):
         self.group = group
         self.size = size
         self.rank = rank
@@ -99,6 +99,7 @@ class _Comm:
                                                            group_src=peer)))
         limit = None if self.timeout is None else _dt.timedelta(seconds=self.timeout)
         for verb, peer, work in works:
+            assert work is not None  # isend/irecv give None only to ranks outside the group
             try:
                 if limit is None:
                     work.wait()   # the process group's timeout

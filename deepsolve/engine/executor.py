@@ -38,12 +38,12 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.utils import _pytree as pytree
 
-from ..schedules import Schedule, shifted
+from ..schedules import Online, Schedule, shifted
 from ..schedules.actions import Free, Reverse, Store
 from ..schedules.check import ScheduleError
 from .graph import constant_leaves, discover, sequence_marker, unseen_leaf
@@ -109,6 +109,8 @@ class UnrollRun(Interpreter):
 
     who = "unroll"
     unit = "step"
+    final: list[torch.Tensor] | None  # the forward sweep's results, until _UnrollFunction
+    outs: list | None                 # takes them (set by forward*)
 
     def __init__(self, step: Step, schedule: Schedule, n_steps: int, n_state: int,
                  replay: Replay, stats: UnrollStats | None, storage: dict | None = None,
@@ -528,6 +530,7 @@ class UnrollRun(Interpreter):
 
     def _fill_stats(self):
         s = self.stats
+        assert s is not None  # callers check
         s.advances = self.advances
         s.recorded = self.recorded
         s.snapshots_peak = self.peak_slots
@@ -558,10 +561,12 @@ class _UnrollFunction(torch.autograd.Function):
     def forward(ctx, ex: UnrollRun, *inputs):
         ctx.ex = ex
         ctx.set_materialize_grads(False)
-        ctx.n_final = len(ex.final)
+        final, outs = ex.final, ex.outs
+        assert final is not None and outs is not None  # computed by ex.forward before apply
+        ctx.n_final = len(final)
         if ex.const:  # state leaves that depend on nothing requiring grad
-            ctx.mark_non_differentiable(*[ex.final[k] for k in ex.const])
-        out = (*ex.final, *ex.outs)  # computed by ex.forward before apply
+            ctx.mark_non_differentiable(*[final[k] for k in ex.const])
+        out = (*final, *outs)
         # the outputs now carry this node as grad_fn; the run must not hold them too, or
         # outputs -> node -> ctx.ex -> outputs is a cycle through C++ that Python's gc cannot
         # see, and every checkpointed unroll would keep its final state and outputs for good
@@ -689,10 +694,11 @@ def execute(
         ex.want_norms = bool(stats is not None and stats.adjoint_norms is True)
     try:
         if until is not None:
-            tape = ex.forward_online(x0, sched.start(), until, max_steps)
+            tape = ex.forward_online(x0, cast(Online, sched).start(), until, max_steps)
         elif window is not None:
             if stats is not None:
                 stats.extra["truncate"] = truncate
+            assert truncate is not None  # window is set only with truncate
             tape = ex.forward_truncated(x0, truncate, window)
         else:
             tape = ex.forward(x0)
@@ -704,6 +710,7 @@ def execute(
     weakref.finalize(ex, _close_all, list(ex.storage.values()))
     params = [p for p in params if p.requires_grad]
     if not params and not any(t.requires_grad for t in x0):  # nothing to differentiate
+        assert ex.final is not None and ex.outs is not None  # set by the forward sweep
         res = (*ex.final, *ex.outs)
         ex.release()
     else:

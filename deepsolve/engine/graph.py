@@ -59,7 +59,8 @@ def _walk(roots: Sequence[torch.Tensor], visit) -> None:
     """Visit every node of the graph behind ``roots`` once (depth first); ``visit(node)``
     says whether to go on to the node's inputs."""
     seen: set = set()
-    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
+    todo: list[torch.autograd.graph.Node | None] = [r.grad_fn for r in roots
+                                                    if r.grad_fn is not None]
     while todo:
         node = todo.pop()
         if node is None or node in seen:
@@ -105,7 +106,9 @@ SAFE_OUTER_NODES = frozenset({"ToCopyBackward0"})
 
 def sequence_marker() -> int:
     with torch.enable_grad():
-        return (torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr() + 1
+        node = (torch.zeros((), requires_grad=True) * 1).grad_fn
+        assert node is not None  # a product with a leaf that requires grad
+        return node._sequence_nr() + 1
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -167,8 +167,9 @@ class Interpreter:
                          f"x_{self.slots[key].index}; Free it first")
         rng = self.replay.capture()
         lowered = self.lower is not None and a.index != 0  # x_0 is always held exactly
-        data = cur
+        data: list | None = cur
         if lowered:
+            assert self.lower is not None  # lowered implies it
             data = [t if d is None else t.to(d) for t, d in zip(cur, self.lower, strict=True)]
         if a.level == 0:
             if a.index != 0:  # x_0 is the caller's tensor: holding it costs nothing
@@ -221,7 +222,8 @@ class Interpreter:
         data = slot.data
         if a.level != 0:
             data = self._backend(a.level).get((a.level, a.slot), self.meta)
-        elif slot.versions is not None and any(
+        assert data is not None  # a level-0 slot holds its leaves
+        if a.level == 0 and slot.versions is not None and any(
                 t._version != v for t, v in zip(data, slot.versions, strict=True)):
             raise RuntimeError(self._modified_in_place(a.index))
         self.replay.restore(slot.rng)
@@ -247,6 +249,7 @@ class Interpreter:
         k = self.pos
         a = None
         unit = self.unit
+        assert self.actions is not None  # set by _to_first_reverse
         try:
             for a in self.actions:
                 t = type(a)
@@ -335,6 +338,7 @@ class Interpreter:
         t0 = time.perf_counter()
         try:
             with self.replay.reverse_sweep():
+                assert self.pending is not None  # set by the forward sweep
                 i, tape = self.pending
                 self.pending = None
                 self._pull(tape, i)

@@ -169,7 +169,9 @@ class CompiledPolicy:
                              "CompiledPolicy('save_fft'); 'none' and a nested CompiledPolicy "
                              "are not policies to compile")
         self.policy = policy
-        self.context_fn = policy_context(policy)
+        context_fn = policy_context(policy)
+        assert context_fn is not None  # None only for "none", refused above
+        self.context_fn: Callable[[], tuple] = context_fn
         if policy == "recompute_all":  # torch.compile takes only selective-checkpoint contexts
             self.context_fn = functools.partial(create_selective_checkpoint_contexts,
                                                 _recompute_everything)

@@ -181,6 +181,7 @@ class Step:
 
     def check(self, nxt: Any, i: int) -> list[torch.Tensor]:
         """The full check of a returned state: structure, then :meth:`check_leaves`."""
+        leaves: list[torch.Tensor] | None
         if self.spec is None:
             if not isinstance(nxt, torch.Tensor):
                 raise TypeError(f"unroll: step {i} returned a {type(nxt).__name__}; expected "

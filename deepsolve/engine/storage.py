@@ -33,7 +33,7 @@ class Slot(NamedTuple):
     data: list[torch.Tensor] | None
     versions: list[int] | None
     rng: Any
-    index: int
+    index: int  # type: ignore[assignment]  # a field that shadows tuple.index, on purpose
     lowered: bool
 
 

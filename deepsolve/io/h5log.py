@@ -528,7 +528,9 @@ def _read_open(f: h5py.File, p: Path, live: bool,
         if only_iteration:
             continue
         columns[col] = _read_dataset(d, n)
-        kinds.append((key, col, _kind_of_dataset(d)))
+        kind = _kind_of_dataset(d)
+        assert kind is not None  # _checked_members refused the other dtypes
+        kinds.append((key, col, kind))
     if short:
         if live:
             raise _Torn()
@@ -804,6 +806,7 @@ class H5Log:
         va = g.create_dataset("value", shape=(k, w), maxshape=(None, w), dtype=np.float64,
                               chunks=(8, w), fillvalue=np.nan)
         if k:
+            assert old is not None  # k > 0 only with old curves
             st[:] = old["step"]
             va[:] = old["value"]
             it[:] = old["iteration"]
@@ -969,6 +972,7 @@ class H5Log:
                 data = {c: self._block(c) for c in self._kinds}
                 self._publish(data)
                 self._write_curves()
+                assert self._f is not None  # _publish left it open (there are columns)
                 self._f.flush()
             else:
                 n0, n1 = self._n, self._n + len(self._buf)
@@ -1026,6 +1030,7 @@ class H5Log:
             n = self._cn[name]
             keep = int(np.searchsorted(d_it[:n], k, side="right")) if n else 0
             if keep < n:
+                assert self._f is not None  # curve datasets live in the open file
                 d_it.resize((keep,))
                 self._f.flush()
                 d_st.resize((keep, CURVE_WIDTH))

@@ -30,7 +30,7 @@ import contextlib
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -122,7 +122,7 @@ def _summary_memory(log: LogData) -> list[tuple[str, str]]:
     kind = _device_kind(log)
     if "peak_real_memory" in log.columns:
         real = {"cpu": "real (RSS above baseline)",
-                "cuda": "real (max_memory_allocated)"}.get(kind, "real")
+                "cuda": "real (max_memory_allocated)"}.get(kind or "", "real")
         out = [("peak_real_memory", real), ("peak_tracked_memory", "tracked")]
         if kind != "cuda":
             out.append(("peak_host_memory", "process RSS"))
@@ -165,6 +165,7 @@ def summarize(log: LogData) -> str:
         lines.append(head + (f"  {'weight':>10}" if weights is not None else ""))
         for t in terms[:MAX_TABLE_ROWS]:
             a = _numeric(log, t)
+            assert a is not None  # _prefixed lists numeric columns
             f0, f1 = _first_finite(it, a), _last_finite(it, a)
             row = (f"{t:<{w}}  {_fmt(f0[0]) if f0 else 'nan':>12}  "
                    f"{_fmt(f1[0]) if f1 else 'nan':>12}")
@@ -185,6 +186,7 @@ def summarize(log: LogData) -> str:
         lines.append(f"{'metric':<{w}}{before}  {'first':>12}  {'last':>12}  iterations")
         for m in metrics[:MAX_TABLE_ROWS]:
             a = _numeric(log, m)
+            assert a is not None  # _prefixed lists numeric columns
             f0, f1 = _first_finite(it, a), _last_finite(it, a)
             row = f"{m:<{w}}"
             if init is not None:
@@ -197,9 +199,9 @@ def summarize(log: LogData) -> str:
             lines.append(f"... ({len(metrics) - MAX_TABLE_ROWS} more metrics)")
 
     extra = []
-    t = _numeric(log, "time")
-    if t is not None and _finite(t).any():
-        s = f"{'iteration time':<17}median {_fmt(float(np.median(t[_finite(t)])))} s"
+    secs = _numeric(log, "time")
+    if secs is not None and _finite(secs).any():
+        s = f"{'iteration time':<17}median {_fmt(float(np.median(secs[_finite(secs)])))} s"
         parts = []
         for name, label in (("time_forward", "forward"), ("time_backward", "backward")):
             a = _numeric(log, name)
@@ -372,11 +374,13 @@ def _loss_figure(log: LogData, x: np.ndarray) -> _Built:
     weights = _weights(log)
     for t in terms[:MAX_SERIES]:
         name = t[len("loss/"):]
+        a = _numeric(log, t)
+        assert a is not None  # _prefixed lists numeric columns
         if weights is None:
-            series.append((name, _numeric(log, t), {"lw": 1.0}))
+            series.append((name, a, {"lw": 1.0}))
         else:
             w = weights.get(name, 1.0)
-            series.append((f"{w:g} × {name}", w * _numeric(log, t), {"lw": 1.0}))
+            series.append((f"{w:g} × {name}", w * a, {"lw": 1.0}))
     if not _has_data(series):
         return None, None
     if not terms:
@@ -402,10 +406,10 @@ def _memory_columns(log: LogData) -> list[tuple[str, str, dict]]:
     """(column, label, style) of the memory curves, labelled for what they measured."""
     kind = _device_kind(log)
     real = {"cpu": "real peak (RSS above the run's baseline)",
-            "cuda": "real peak (max_memory_allocated)"}.get(kind, "real peak")
+            "cuda": "real peak (max_memory_allocated)"}.get(kind or "", "real peak")
     rss = {"color": "0.45", "ls": ":", "lw": 1.2}
     if "peak_real_memory" in log.columns:
-        cols = [("peak_real_memory", real, {"color": "C0", "lw": 1.6}),
+        cols: list[tuple[str, str, dict]] = [("peak_real_memory", real, {"color": "C0", "lw": 1.6}),
                 ("peak_tracked_memory", _TRACKED, {"color": "C1"})]
         if kind != "cuda":      # on CUDA the RSS is the host's, a running mark of the run
             cols.append(("peak_host_memory", "process RSS peak in the iteration (absolute)",
@@ -470,7 +474,7 @@ def _memory_figure(log: LogData, x: np.ndarray) -> _Built:
 
 
 def _time_figure(log: LogData, x: np.ndarray) -> _Built:
-    times = []
+    times: list[_Series] = []
     for name, label in (("time", "iteration"), ("time_forward", "forward"),
                         ("time_backward", "backward")):
         a = _numeric(log, name)
@@ -509,7 +513,8 @@ def _metric_panels(log: LogData) -> tuple[list[tuple[str, list[str], int]], list
     cols = _prefixed(log, "metric/")
     init = _initial_metrics(log)
     names = [c[len("metric/"):] for c in cols
-             if _finite(_numeric(log, c)).any() or c[len("metric/"):] in init]
+             # _prefixed lists numeric columns: _numeric gives an array
+             if _finite(cast(np.ndarray, _numeric(log, c))).any() or c[len("metric/"):] in init]
     first = [n.split("_", 1)[0] for n in names]
     count: dict[str, int] = {}
     for f in first:
@@ -545,6 +550,7 @@ def _metrics_figure(log: LogData, x: np.ndarray) -> _Built:
         colors = {m: f"C{j % 10}" for j, m in enumerate(members)}
         for m in members:
             y = _numeric(log, "metric/" + m)
+            assert y is not None  # a metric column (from _prefixed)
             _draw(ax, x, [(m, y, {"color": colors[m]})])
             values.append(y)
         labelled = False
@@ -620,6 +626,7 @@ def _gradients_figure(log: LogData, x: np.ndarray) -> _Built:
             title += f" ({len(pick)} of {len(its)} logged iterations)"
         _finish(ax, "step i", "norm", title)
     if has_g:
+        assert g is not None  # has_g
         ax = fig.add_subplot(1, panels, k)
         _draw(ax, x, [("grad_norm", g, {})])
         if _positive([("grad_norm", g, {})]):

@@ -67,7 +67,7 @@ def agree_profile(prof: Any, group: Any) -> Any:
     out = _reduce(vals, group, "max")
     if out[0] > -1.0 or prof is None:          # some rank has no profile
         return None
-    agreed = {}
+    agreed: dict[str, Any] = {}
     for name, v, w in zip(fields, (getattr(prof, f) for f in fields), out[1:], strict=True):
         if isinstance(v, bool):
             agreed[name] = w == -2.0          # True on every rank

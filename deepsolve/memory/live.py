@@ -43,6 +43,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from typing import cast
 
 import torch
 
@@ -171,7 +172,7 @@ def _start_profiler():
 def _stop_profiler() -> list[tuple[int, int, int, str]]:
     """Stop the profiler; its allocation events as ``(time_ns, bytes, ptr, device type)``,
     frees with negative bytes, in time order."""
-    from torch._C._profiler import _EventType
+    from torch._C._profiler import _EventType, _ExtraFields_Allocation
     from torch.autograd import _disable_profiler
 
     with _quiet_stderr():
@@ -183,7 +184,7 @@ def _stop_profiler() -> list[tuple[int, int, int, str]]:
         e = todo.pop()
         todo.extend(e.children)
         if e.tag == alloc:
-            f = e.extra_fields
+            f = cast(_ExtraFields_Allocation, e.extra_fields)  # the tag says which
             events.append((e.start_time_ns, f.alloc_size, f.ptr, f.device.type))
     # time order; at an equal time a free first (a pointer is freed before it is reused)
     events.sort(key=lambda e: (e[0], e[1] > 0))

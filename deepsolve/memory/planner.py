@@ -310,6 +310,7 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
            policies: Sequence[StepProfile] | None = None) -> Plan:
     """See :func:`_choose`; the chosen plan carries its peak's terms (``Plan.terms``)."""
     best = _choose(profile, n_steps, budget, slow, policies)
+    assert best.strategy is not None  # every plan _choose makes has one
     q = next((o for o in policies or () if o.policy == best.policy), profile)
     best.terms = best.strategy.peak_terms(
         q if best.kind in ("store_all", "revolve_tail") else profile, n_steps)
@@ -337,7 +338,7 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
     if not fixed_policy:
         others = weighed_policies(p, others)
     alts: list[Alternative] = []
-    extra = dict(policies=others, snapshot_dtype=None)
+    extra: dict[str, Any] = dict(policies=others, snapshot_dtype=None)
 
     def make(strategy: Strategy, peak: int, t: float, factor: float, why: str,
              **kw: Any) -> Plan:
@@ -512,6 +513,7 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     if snapshot_dtype is not None:
         prof = dataclasses.replace(prof, snapshot_bytes=snapshot_nbytes(leaves, snapshot_dtype))
     policies, failed = None, []
+    candidates: tuple[Any, ...]
     if policy is None:
         candidates = POLICIES[1:] if predicted_peak(prof, n_steps, "store_all") > nbytes else ()
     else:
@@ -570,7 +572,7 @@ def measure_level(kind: str, leaves, spill_dir: str | None = None) -> SlowLevel:
             if data and data[0].device.type == "cuda":
                 torch.cuda.synchronize()
             reads.append(time.perf_counter() - t0)
-        room = (device_capacity("cpu") if kind == "host"
+        room = (device_capacity("cpu") if isinstance(store, HostStorage)  # kind == "host"
                 else shutil.disk_usage(spill_dir or os.path.dirname(store.dir)).free) // 2
     finally:
         store.close()

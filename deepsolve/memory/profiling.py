@@ -284,6 +284,7 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
                 h1 = heap_in_use()
                 y2, out2 = record(y1, 1)
                 h2 = heap_in_use()
+                assert h0 is not None and h1 is not None and h2 is not None  # checked above
                 del y1, y2, out2
             seen_now = (max(h1 - h0, 0), max(h2 - h1, 0))
             heap = seen_now if heap is None else (min(heap[0], seen_now[0]),
@@ -312,6 +313,7 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
     # the output seeds were allocated inside the window; in an unroll they are slices of
     # the caller's output gradients, counted with the stacked outputs
     mem.reverse = max(lb.peak - mem.output, tensors) + objects
+    assert tape.seen is not None  # record=True
     mem.tape = sum(tape.seen.values())
     with LiveBytes(device) as lb, torch.enable_grad():
         y1, _ = record(_fresh(x), 0)
@@ -436,7 +438,7 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
             for i in (1, 0):  # compile; recompile with the step index dynamic, so that an
                 recorder(compiled, _fresh(x), i)  # unroll's later steps do not recompile
 
-        def record(xs, i):
+        def record(xs, i, fn=None):  # fn: as the variant below (never passed here)
             return recorder(compiled, xs, i)
     else:
         def record(xs, i, fn=context_fn):

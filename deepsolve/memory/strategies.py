@@ -256,7 +256,7 @@ class Periodic(Strategy):
     def __init__(self, every: int | None = None):
         self.every = None if every is None else _count("Periodic: every", every, 1)
 
-    def build(self, n_steps: int) -> S.Schedule:
+    def build(self, n_steps: int) -> S.Periodic:
         return S.periodic(n_steps, self.every)
 
     def advances(self, n_steps: int) -> int:
@@ -308,7 +308,9 @@ class Online(Revolve):
     kind = "online"
     offline = False
 
-    def build(self, n_steps: int | None = None) -> S.Online:
+    # an online strategy builds a controller, not a Schedule (no length is known); on
+    # purpose not Strategy.build's contract: as_strategy keeps it out of known-length unrolls
+    def build(self, n_steps: int | None = None) -> S.Online:  # type: ignore[override]
         return S.online(self.snapshots)
 
     def advances(self, n_steps: int) -> int:
@@ -457,7 +459,7 @@ class _PeriodicSlots(Periodic):
         self.every = None
         self.slots = _count("unroll: snapshots", snapshots, 1)
 
-    def build(self, n_steps: int) -> S.Schedule:
+    def build(self, n_steps: int) -> S.Periodic:
         return S.periodic(n_steps, max(1, -(-n_steps // self.slots)))
 
     def describe(self) -> str:

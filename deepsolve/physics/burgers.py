@@ -420,6 +420,8 @@ class Burgers1D(time_stepping.SpectralStepper):
     :class:`~deepsolve.physics.time_stepping.SpectralStepper`).
     """
 
+    grid: Grid1D
+
     def __init__(self, grid: Grid1D, nu: Scalar, dt: Scalar, method: str = "etdrk4") -> None:
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")

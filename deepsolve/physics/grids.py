@@ -74,6 +74,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
+from typing import cast as typing_cast
 
 import torch
 
@@ -261,12 +262,14 @@ class PeriodicGrid:
     @functools.cached_property
     def spacing(self) -> tuple[float, ...]:
         """Grid spacing ``L_a / n_a`` per axis."""
-        return tuple(length / n for length, n in zip(self.lengths, self.shape, strict=True))
+        lengths = typing_cast("tuple[float, ...]", self.lengths)  # __post_init__ made it a tuple
+        return tuple(length / n for length, n in zip(lengths, self.shape, strict=True))
 
     @functools.cached_property
     def fundamental(self) -> tuple[float, ...]:
         """Fundamental wavenumber ``2 pi / L_a`` per axis."""
-        return tuple(2 * math.pi / length for length in self.lengths)
+        lengths = typing_cast("tuple[float, ...]", self.lengths)  # __post_init__ made it a tuple
+        return tuple(2 * math.pi / length for length in lengths)
 
     @functools.cached_property
     def rfft_shape(self) -> tuple[int, ...]:
@@ -459,7 +462,7 @@ class CubicGrid(PeriodicGrid):
     @property
     def length(self) -> float:
         """Domain length of every axis."""
-        return self.lengths[0]
+        return typing_cast("tuple[float, ...]", self.lengths)[0]  # a tuple after __post_init__
 
     @property
     def dx(self) -> float:

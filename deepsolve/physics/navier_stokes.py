@@ -393,6 +393,8 @@ class NavierStokes2D(time_stepping.SpectralStepper):
     fresh graph).
     """
 
+    grid: Grid
+
     def __init__(
         self,
         grid: Grid,
@@ -453,6 +455,7 @@ class NavierStokes2D(time_stepping.SpectralStepper):
         dtype = dtype or self.forcing.dtype
         device = torch.device(device) if device is not None else self.forcing.device
         _, f_hat = self._constants(dtype, device)
+        assert f_hat is not None  # there is a forcing
         return to_physical(f_hat, self.grid.n)
 
     def step_hat(self, omega_hat: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,7 @@ class _ChunkedSum(torch.autograd.Function):
             outs = tuple(o.detach() for o in outs)
             totals = outs if totals is None else tuple(a + b for a, b in zip(totals, outs,
                                                                               strict=True))
+        assert totals is not None  # x.split() yields at least one chunk, even for no points
         return totals if len(totals) > 1 else totals[0]
 
     @staticmethod
@@ -139,7 +140,7 @@ class _ChunkedSum(torch.autograd.Function):
         live = [i for i, g in enumerate(grad_outs) if g is not None]
         grads_p = [torch.zeros_like(p) if ctx.needs_input_grad[4 + i] else None
                    for i, p in enumerate(params)]
-        grads_x = [] if want_x else None
+        grads_x: list[torch.Tensor] = []  # filled when want_x
         inputs = [p for i, p in enumerate(params) if ctx.needs_input_grad[4 + i]]
         for xc in x.split(ctx.chunk):
             xc = xc.detach().requires_grad_(want_x)
@@ -151,8 +152,9 @@ class _ChunkedSum(torch.autograd.Function):
                                          materialize_grads=True)
             k = 0
             for i in range(len(params)):
-                if grads_p[i] is not None:
-                    grads_p[i].add_(gs[k])
+                g = grads_p[i]
+                if g is not None:
+                    g.add_(gs[k])
                     k += 1
             if want_x:
                 grads_x.append(gs[-1])
@@ -202,6 +204,7 @@ def chunked_sum(fn: Callable, x: torch.Tensor, chunk_size: int,
         else:
             out = _ChunkedSum.apply(run, chunk, len(params), x, *params)
             totals = out if isinstance(out, tuple) else (out,)
+    assert totals is not None  # x.split() yields at least one chunk, even for no points
     names = probe_names[0] if probe_names else None
     if names is None:
         return totals[0]
@@ -251,7 +254,7 @@ class ChunkedResidual:
         self.impl = impl
         self.probe = probe
         self.per_point: float | None = None
-        self._key = None
+        self._key: tuple[torch.dtype, torch.device] | None = None
 
     def chunk_size(self, x: torch.Tensor) -> int | None:
         if self.fixed_chunk:

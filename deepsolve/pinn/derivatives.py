@@ -37,7 +37,7 @@ component (and drops the axis).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.func import functional_call, jacfwd, jacrev, jvp, vmap
@@ -132,7 +132,8 @@ class Jet(NamedTuple):
             axes = sorted({i for i, j in self.hessian_pairs if i == j})
         else:
             axes = range(h.shape[-1])
-        return sum(h[(...,) + self._row(i, i)] for i in axes)
+        # sum() types its result `| Literal[0]` (the value for no axes)
+        return cast(torch.Tensor, sum(h[(...,) + self._row(i, i)] for i in axes))
 
 
 def pointwise(module: torch.nn.Module, params: dict | None = None,
@@ -182,7 +183,7 @@ def _autograd(fn, *args):
     if outer:
         return out
     if isinstance(out, Jet):
-        return Jet(*(t.detach() if isinstance(t, torch.Tensor) else t for t in out))
+        return Jet._make(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
     return out.detach()
 
 
@@ -246,6 +247,7 @@ def jet(f: Fn, x: torch.Tensor, order: int = 2, *, backend: str = "func",
         if order == 1:
             return full
         h = full.hessian
+        assert h is not None  # order 2
         picked = torch.stack([h[..., rows.index(i), j] for i, j in pairs], -1)
         return Jet(full.value, full.jacobian, picked, comps, None, pairs)
     if backend == "taylor":
@@ -271,15 +273,16 @@ def jet(f: Fn, x: torch.Tensor, order: int = 2, *, backend: str = "func",
         return Jet(y, jac, hess, comps)
     eye = torch.eye(x.shape[1], dtype=x.dtype, device=x.device)
 
-    def rows(p):
+    def hess_rows(p):
         out = None
         parts = []
         for i in dims:
-            _, dj, out = jvp(first, (p,), (eye[i],), has_aux=True)
+            # torch's stub types jvp's result as 2 or 3 items; has_aux=True gives 3
+            _, dj, out = cast("tuple[Any, Any, Any]", jvp(first, (p,), (eye[i],), has_aux=True))
             parts.append(dj)
         return torch.stack(parts, -2), out  # (..., len(dims), d)
 
-    hess, (jac, y) = vmap(rows)(x)
+    hess, (jac, y) = vmap(hess_rows)(x)
     return Jet(y, jac, hess, comps, dims)
 
 
@@ -386,6 +389,7 @@ def hessian(f: Fn, x: torch.Tensor, component: int | None = None, *, backend: st
         return _autograd(_jet_autograd, _component_fn(f, component, batched=True), x, 2).hessian
     if backend == "taylor":
         h = jet(f, x, 2, backend="taylor").hessian
+        assert h is not None  # order 2
         return _select(h, component, h.dim() == 3)
     g = _component_fn(f, component)
     return vmap(jacfwd(_inner(mode)(g)))(x)
@@ -421,6 +425,7 @@ def partial(f: Fn, x: torch.Tensor, index: int | Sequence[int], component: int |
         elif len(idx) == 1:
             out = j.jacobian[..., idx[0]]
         else:
+            assert j.hessian is not None  # order 2
             out = j.hessian[..., 0]
         return _select(out, component, scalar)
     g = _component_fn(f, component)
@@ -460,7 +465,7 @@ def _laplacian_autograd(f: Fn, x: torch.Tensor, axes: list[int], component: int 
     outs = []
     for c in cols:
         g = _grad(c, xl)
-        outs.append(sum(_grad(g[:, i], xl)[:, i] for i in axes))
+        outs.append(cast(torch.Tensor, sum(_grad(g[:, i], xl)[:, i] for i in axes)))
     return outs[0] if single else torch.stack(outs, 1)
 
 
@@ -508,14 +513,14 @@ def laplacian(f: Fn, x: torch.Tensor, component: int | None = None,
     d = x.shape[1]
     eye = torch.eye(d, dtype=x.dtype, device=x.device)
 
-    def lap(p):
-        total = 0
+    def lap_at(p):
+        total: torch.Tensor | int = 0
         for i in axes:
             h = _directional(_directional(g, eye[i], i, mode), eye[i], i, "fwd")
             total = total + h(p)
         return total
 
-    return vmap(lap)(x)
+    return vmap(lap_at)(x)
 
 
 def divergence(f: Fn, x: torch.Tensor, components: Sequence[int] | None = None,
@@ -534,4 +539,4 @@ def divergence(f: Fn, x: torch.Tensor, components: Sequence[int] | None = None,
     jac = jacobian(f, x, backend=backend, mode=mode)
     if jac.dim() != 3:
         raise ValueError("the divergence needs a vector-valued f")
-    return sum(jac[:, c, i] for c, i in zip(comps, dims, strict=True))
+    return cast(torch.Tensor, sum(jac[:, c, i] for c, i in zip(comps, dims, strict=True)))

@@ -34,6 +34,7 @@ derivatives are written out).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 
@@ -73,8 +74,9 @@ ACTIVATIONS: dict[str, Callable] = {
 }
 """Activation name → function returning :math:`(\\sigma(z), \\sigma'(z), \\sigma''(z))`."""
 
-_PLAIN = {"tanh": torch.tanh, "sin": torch.sin, "sigmoid": torch.sigmoid,
-          "softplus": torch.nn.functional.softplus, "silu": torch.nn.functional.silu}
+_PLAIN: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "tanh": torch.tanh, "sin": torch.sin, "sigmoid": torch.sigmoid,
+    "softplus": torch.nn.functional.softplus, "silu": torch.nn.functional.silu}
 
 
 class FNN(torch.nn.Module):
@@ -88,6 +90,9 @@ class FNN(torch.nn.Module):
     also serves ``torch.func`` and autograd derivatives; :meth:`taylor` computes value and
     derivatives in one pass (module docstring).
     """
+
+    scale: torch.Tensor  # buffers registered in __init__
+    shift: torch.Tensor
 
     def __init__(self, in_dim: int, out_dim: int, width: int, depth: int,
                  activation: str = "tanh", *, lo: Sequence[float] | None = None,
@@ -107,7 +112,7 @@ class FNN(torch.nn.Module):
         dims = [in_dim] + [width] * depth + [out_dim]
         self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b)
                                           for a, b in zip(dims[:-1], dims[1:], strict=True))
-        for layer in self.layers:
+        for layer in self._linears():
             torch.nn.init.xavier_normal_(layer.weight)
             torch.nn.init.zeros_(layer.bias)
         scale, shift = torch.ones(in_dim), torch.zeros(in_dim)
@@ -123,15 +128,20 @@ class FNN(torch.nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("shift", shift)
 
+    def _linears(self) -> Sequence[torch.nn.Linear]:
+        # self.layers holds only Linear layers; ModuleList's items are typed as Module
+        return cast("Sequence[torch.nn.Linear]", self.layers)
+
     @property
     def in_dim(self) -> int:
-        return self.layers[0].in_features
+        return self._linears()[0].in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x * self.scale + self.shift
-        for layer in self.layers[:-1]:
+        layers = self._linears()
+        for layer in layers[:-1]:
             h = self._plain(layer(h))
-        y = self.layers[-1](h)
+        y = layers[-1](h)
         return y[..., 0] if self.scalar else y
 
     def taylor(self, x: torch.Tensor, order: int = 2,
@@ -151,7 +161,8 @@ class FNN(torch.nn.Module):
             if not (0 <= i < d and 0 <= j < d):
                 raise ValueError(f"second-derivative pair {(i, j)} out of range for d={d}")
         act = self._act
-        first = self.layers[0]
+        layers = self._linears()
+        first = layers[0]
         z = torch.addmm(first.bias, x * self.scale + self.shift, first.weight.t())
         # first layer: the input's derivatives are the unit vectors, so dz/dx_i is the
         # (scaled) weight column, the same at every point, and d2z = 0
@@ -161,7 +172,7 @@ class FNN(torch.nn.Module):
         if pairs:
             parts.append(s2.unsqueeze(1) * torch.stack([gz[i] * gz[j] for i, j in pairs]))
         streams = torch.cat(parts, 1)                                 # (N, 1 + d + P, w)
-        for layer in self.layers[1:-1]:
+        for layer in layers[1:-1]:
             zz = streams @ layer.weight.t()
             a, s1, s2 = act(zz[:, 0] + layer.bias)
             g = zz[:, 1:1 + d]
@@ -170,7 +181,7 @@ class FNN(torch.nn.Module):
                 gg = torch.stack([g[:, i] * g[:, j] for i, j in pairs], 1)
                 parts.append(s1.unsqueeze(1) * zz[:, 1 + d:] + s2.unsqueeze(1) * gg)
             streams = torch.cat(parts, 1)
-        last = self.layers[-1]
+        last = layers[-1]
         out = streams @ last.weight.t()                               # (N, 1 + d + P, k)
         value = out[:, 0] + last.bias
         jac = out[:, 1:1 + d].transpose(1, 2)

@@ -56,6 +56,7 @@ def switch_precision(model: torch.nn.Module, data: MutableMapping[str, Any] | No
         model.to(dtype=dtype)
     for k, v in list((data or {}).items()):
         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dtype:
+            assert data is not None  # it has items
             data[k] = v.to(dtype)
             changed = True
     return changed
@@ -196,7 +197,7 @@ class AdamLBFGS(torch.optim.LBFGS):
             self._restart()
         return orig.detach() / self.scale if isinstance(orig, torch.Tensor) else orig
 
-    def state_dict(self) -> dict:  # type: ignore[override]
+    def state_dict(self) -> dict:
         self.param_groups[0]["lr"] = self.lbfgs_lr
         lbfgs = super().state_dict()
         self._show_lr()
@@ -204,7 +205,7 @@ class AdamLBFGS(torch.optim.LBFGS):
                 "scale": self.scale, "restarts": self.restarts,
                 "adam": self.adam.state_dict(), "lbfgs": lbfgs}
 
-    def load_state_dict(self, state_dict: dict) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict["lbfgs"])
         self.adam.load_state_dict(state_dict["adam"])
         self.steps_taken = int(state_dict["steps_taken"])

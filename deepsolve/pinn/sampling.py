@@ -19,6 +19,7 @@ assume one objective.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ def residual_magnitude(res) -> torch.Tensor:
     if isinstance(res, Mapping):
         res = list(res.values())
     if isinstance(res, (list, tuple)):
-        sq = sum(_sq(r) for r in res)
+        sq = cast(torch.Tensor, sum(_sq(r) for r in res))  # sum() adds `| Literal[0]`
     else:
         sq = _sq(res)
     return sq.sqrt()

@@ -30,6 +30,7 @@ the new weights from then on.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import torch
 
@@ -46,7 +47,9 @@ class Weights(dict):
 
     def total(self, terms: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The weighted sum of ``terms`` (what the trainer minimises)."""
-        return sum(float(self.get(k, 1.0)) * v.reshape(()) for k, v in terms.items())
+        # sum() types its result `| Literal[0]` (the value for no terms)
+        return cast(torch.Tensor,
+                    sum(float(self.get(k, 1.0)) * v.reshape(()) for k, v in terms.items()))
 
 
 class FixedWeights(Weights):
@@ -98,7 +101,8 @@ class AnnealingWeights(Weights):
         if missing:
             raise KeyError(f"annealing reference terms {missing} are not among the loss terms "
                            f"{sorted(terms)}")
-        ref = sum(float(self.get(r, 1.0)) * terms[r].reshape(()) for r in self.reference)
+        ref = cast(torch.Tensor,
+                   sum(float(self.get(r, 1.0)) * terms[r].reshape(()) for r in self.reference))
         g_ref = _grads(ref, params)
         if g_ref is None:
             return False

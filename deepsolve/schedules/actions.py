@@ -37,6 +37,7 @@ Every schedule records each step exactly once (``Record`` or tape-less ``Reverse
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import final
 
 __all__ = ["Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse"]
 
@@ -44,6 +45,7 @@ FAST = 0
 """Storage level 0: the device's own memory."""
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Advance:
     """Run steps ``start .. stop-1`` without recording."""
@@ -52,6 +54,7 @@ class Advance:
     stop: int
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Record:
     """Run steps ``start .. stop-1`` recording them; keep each tape for ``Reverse``."""
@@ -60,6 +63,7 @@ class Record:
     stop: int
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Store:
     """Store the current state ``x_index`` in ``slot`` of storage ``level``."""
@@ -69,6 +73,7 @@ class Store:
     level: int = FAST
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Restore:
     """Make the snapshot ``x_index`` held in ``slot`` (of ``level``) the current state."""
@@ -78,6 +83,7 @@ class Restore:
     level: int = FAST
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Free:
     """Empty ``slot`` of ``level`` (it held ``x_index``)."""
@@ -87,6 +93,7 @@ class Free:
     level: int = FAST
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Reverse:
     """The adjoint step through step ``index``: ``dL/dx_index = J_index^T dL/dx_{index+1}``."""

@@ -116,13 +116,12 @@ class Shifted(Schedule):
             yield from self.schedule
             return
         for a in self.schedule:
-            t = type(a)
-            if t is Advance or t is Record:
-                yield t(a.start + d, a.stop + d)
-            elif t is Reverse:
+            if type(a) is Advance or type(a) is Record:
+                yield type(a)(a.start + d, a.stop + d)
+            elif type(a) is Reverse:
                 yield Reverse(a.index + d)
             else:
-                yield t(a.slot, a.index + d, a.level)
+                yield type(a)(a.slot, a.index + d, a.level)
 
     def _params(self) -> str:
         return f"offset={self.offset}, schedule={self.schedule!r}"

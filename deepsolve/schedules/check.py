@@ -107,8 +107,7 @@ def _walk(
         return ScheduleError(f"action {count} ({action!r}): {msg}")
 
     for count, action in enumerate(schedule):  # noqa: B007 (count is read by fail)
-        kind = type(action)
-        if kind is Advance or kind is Record:
+        if type(action) is Advance or type(action) is Record:
             a, b = action.start, action.stop
             if current != a:
                 have = f"x_{current}" if current >= 0 else "no state"
@@ -116,7 +115,7 @@ def _walk(
             if not a < b <= n:
                 raise fail(f"range {a}..{b} must satisfy {a} < stop <= n_steps={n}")
             current = b
-            if kind is Advance:
+            if type(action) is Advance:
                 advances += b - a
             else:
                 recorded += b - a
@@ -130,7 +129,7 @@ def _walk(
                     peak_storage = len(kept) + len(held)
                 if tapes is not None and len(kept) > tapes:
                     raise fail(f"keeps {len(kept)} recorded steps; the limit is {tapes}")
-        elif kind is Reverse:
+        elif type(action) is Reverse:
             i = action.index
             if i != adjoint - 1:
                 raise fail(f"the adjoint is at x_{adjoint}, so the next reverse step is "
@@ -144,7 +143,7 @@ def _walk(
                 recorded += 1
             current = -1  # after any reverse step the current state is undefined
             adjoint = i
-        elif kind is Store:
+        elif type(action) is Store:
             key = (action.level, action.slot)
             if current != action.index:
                 have = f"x_{current}" if current >= 0 else "no state"
@@ -166,7 +165,7 @@ def _walk(
                 peak_total = len(held)
             if len(kept) + len(held) > peak_storage:
                 peak_storage = len(kept) + len(held)
-        elif kind is Restore or kind is Free:
+        elif type(action) is Restore or type(action) is Free:
             key = (action.level, action.slot)
             if key not in held:
                 raise fail(f"slot {action.slot} (level {action.level}) is empty")
@@ -174,7 +173,7 @@ def _walk(
                 raise fail(f"slot {action.slot} (level {action.level}) holds "
                            f"x_{held[key]}, not x_{action.index}")
             lv = action.level
-            if kind is Restore:
+            if type(action) is Restore:
                 current = action.index
                 restores[lv] = restores.get(lv, 0) + 1
             else:

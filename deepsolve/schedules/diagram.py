@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from .actions import Advance, Free, Record, Restore, Reverse, Store
 from .base import Schedule
+
+if TYPE_CHECKING:
+    from .basic import Periodic
+    from .revolve import Revolve
 
 __all__ = ["text_diagram", "png_diagram"]
 
@@ -40,19 +46,18 @@ def text_diagram(schedule: Schedule) -> str:
     lines = ["".join(head)]
     for a in schedule:
         row = [" "] * w
-        t = type(a)
-        if t is Advance or t is Record:
-            fill = "-" if t is Advance else "="
+        if type(a) is Advance or type(a) is Record:
+            fill = "-" if type(a) is Advance else "="
             for x in range(2 * a.start, 2 * a.stop):
                 row[x] = fill
             row[2 * a.stop] = ">"
-        elif t is Reverse:
+        elif type(a) is Reverse:
             row[2 * a.index] = "<"
             row[2 * a.index + 1] = "#"
             row[2 * a.index + 2] = "#"
-        elif t is Store or t is Restore:
-            row[2 * a.index] = "S" if t is Store else "R"
-        elif t is Free:
+        elif type(a) is Store or type(a) is Restore:
+            row[2 * a.index] = "S" if type(a) is Store else "R"
+        elif type(a) is Free:
             continue
         lines.append("".join(row) + "   " + _describe(a))
     return "\n".join(lines)
@@ -69,16 +74,15 @@ def png_diagram(schedule: Schedule, path: str) -> None:
     pts: dict[str, list] = {"store": [], "restore": []}
     y = 0
     for a in schedule:
-        t = type(a)
-        if t is Advance:
+        if type(a) is Advance:
             segs["advance"].append((a.start, a.stop, y))
-        elif t is Record:
+        elif type(a) is Record:
             segs["record"].append((a.start, a.stop, y))
-        elif t is Reverse:
+        elif type(a) is Reverse:
             segs["reverse"].append((a.index + 1, a.index, y))
-        elif t is Store:
+        elif type(a) is Store:
             pts["store"].append((a.index, y))
-        elif t is Restore:
+        elif type(a) is Restore:
             pts["restore"].append((a.index, y))
         else:
             continue
@@ -117,10 +121,11 @@ def _closed_form(schedule: Schedule) -> str | None:
     if kind == "store_all":
         adv, slots, tapes = 0, 0, n
     elif kind == "revolve":
-        slots = min(schedule.snapshots, n)
-        adv, tapes = optimal_cost(n, schedule.snapshots), 0
+        s = cast("Revolve", schedule).snapshots  # kind "revolve": a Revolve
+        slots = min(s, n)
+        adv, tapes = optimal_cost(n, s), 0
     else:
-        k = schedule.every
+        k = cast("Periodic", schedule).every  # kind "periodic": a Periodic
         last = (n - 1) // k * k
         adv, slots, tapes = last, last // k, max(k, n - last)
     return "\n".join([

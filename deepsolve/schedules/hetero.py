@@ -97,6 +97,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -143,7 +144,7 @@ def _ints(name: str, values: object, length: int) -> tuple[int, ...]:
 
 def _floats(name: str, values: object, length: int) -> tuple[float, ...]:
     try:
-        seq = [float(v) for v in values]  # type: ignore[union-attr]
+        seq = [float(v) for v in values]  # type: ignore[attr-defined]  # any object; TypeError caught
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a sequence of {length} non-negative numbers") \
             from None
@@ -341,7 +342,7 @@ def _split_min(lefts: list, right, fcost, first: np.ndarray, inner, sb: np.ndarr
 
 
 def plan_work(n: int, slots: int, block: int | None = None,
-              states: Sequence[int] | None = None) -> float:
+              states: Sequence[int] | np.ndarray | None = None) -> float:
     """Terms ``(a, b, c, m)`` the program evaluates: ``n^3 (slots+1) / 6`` exact,
     ``n block^2 (slots+1) / 2 + N^3 (slots+1) / 6`` in block mode with ``N`` blocks (counted
     from ``states`` when given, else ``n / block``)."""
@@ -395,11 +396,12 @@ class _Tables:
         # W_l: advancing step l from an unstored x_l; first: advancing from the held x_a
         self.W = self.S[:-1] + self.S[1:] + self.of
         self.first = self.S[1:] + self.of
-        self.fine: list[np.ndarray | None] = [None] * (self.g + 1)
-        self.fine_r: list[np.ndarray | None] = [None] * (self.g + 1)
+        # fine[L] / fine_r[L] for 1 <= L <= g; entry 0 is a placeholder None, never read
+        self.fine = cast("list[np.ndarray]", [None] * (self.g + 1))
+        self.fine_r = cast("list[np.ndarray]", [None] * (self.g + 1))
         self._build_fine()
         self.anchors: list[int] = []
-        self.coarse: list[np.ndarray | None] = []
+        self.coarse: list[np.ndarray] = []  # coarse[K] for K >= 1 (coarse[0]: None)
         if self.g < n:
             self._build_coarse()
 
@@ -457,7 +459,7 @@ class _Tables:
         mcol = np.arange(M + 1)
         lvl1 = np.stack([self.fine[int(lens[i])][A[i]] for i in range(N)])
         lvl1_r = np.stack([self.fine_r[int(lens[i])][A[i]] for i in range(N)])
-        self.coarse = [None, lvl1]
+        self.coarse = cast("list[np.ndarray]", [None, lvl1])
         coarse_r = [None, lvl1_r]
         # per block: advance need A(A_i, A_{i+1}), inner max of W, tape, record/reverse needs
         first = np.empty(N, dtype=np.int64)
@@ -501,24 +503,24 @@ class _Tables:
                 self.quad_need[i, j] = cum_need[A[j] - 1 - lo]
         for K in range(2, N + 1):
             rows = N - K + 1
-            i = np.arange(rows)
-            j = i + K
-            sb = S[Aa[j]]
+            ix = np.arange(rows)
+            jx = ix + K
+            sb = S[Aa[jx]]
             best = _split_min(
                 [[None] + [tab[:rows] for tab in self.coarse[1:K]]],
                 lambda k, K=K, rows=rows: coarse_r[K - k][k:k + rows],
                 lambda k, rows=rows: (PA[k:k + rows] - PA[:rows]).astype(_F32)[:, None],
-                first[i], lambda k, rows=rows: bw[k - 1:k - 1 + rows], sb, K, M + 1)[0]
+                first[ix], lambda k, rows=rows: bw[k - 1:k - 1 + rows], sb, K, M + 1)[0]
             # record the whole first block, keep its tapes
-            rec_c = _shift(self.coarse[K - 1][1:rows + 1], btape[i])
-            need = np.maximum(sb + rec[i], rev[i])
+            rec_c = _shift(self.coarse[K - 1][1:rows + 1], btape[ix])
+            need = np.maximum(sb + rec[ix], rev[ix])
             rec_c[mcol[None, :] < need[:, None]] = _INF
             np.minimum(best, rec_c, out=best)
-            qc = self.quad_cost[i, i + K].astype(_F32)
-            qn = self.quad_need[i, i + K]
+            qc = self.quad_cost[ix, ix + K].astype(_F32)
+            qn = self.quad_need[ix, ix + K]
             quad = np.where(mcol[None, :] >= qn[:, None], qc[:, None], _INF)
             np.minimum(best, quad, out=best)
-            for r in np.nonzero(Aa[i + K] - Aa[i] <= g)[0]:  # short enough: the exact value
+            for r in np.nonzero(Aa[ix + K] - Aa[ix] <= g)[0]:  # short enough: the exact value
                 best[r] = self.fine[int(Aa[r + K] - Aa[r])][Aa[r]]
             self.coarse.append(best)
             coarse_r.append(_shift(best, S[Aa[:rows]]))
@@ -634,6 +636,7 @@ class Hetero(Schedule):
             g = None
         self.mode = "exact" if g is None else "blocks"
         self.block = g
+        assert costs.backward is not None  # ChainCosts.__post_init__ fills it
         self.fixed = sum(costs.forward) + sum(costs.backward)
         self._h0 = self.units.states[0] if charge_input else 0
         if n == 0:
@@ -664,6 +667,7 @@ class Hetero(Schedule):
         if n == 0:
             return
         tab = self._tables
+        assert tab is not None  # n > 0: __init__ built the tables (or raised)
         S = tab.S
         free = list(range(n - 1, -1, -1))  # pop() hands out slot 0 first
         # Frames: ("c", a, b, m, slot): reverse a .. b-1 with m free; x_a is held in `slot`,
@@ -767,6 +771,7 @@ def hetero_peak(schedule: Iterable[Action], costs: ChainCosts, *,
     """
     S, t = costs.states, costs.tapes
     of, ob = costs.forward_overhead, costs.backward_overhead
+    assert of is not None and ob is not None  # ChainCosts.__post_init__ fills them
     n = costs.n_steps
     stored: dict[tuple[int, int], int] = {}
     refs: dict[int, int] = {}  # state index -> holders among slots and kept tapes
@@ -806,19 +811,18 @@ def hetero_peak(schedule: Iterable[Action], costs: ChainCosts, *,
     def tap() -> Iterator[Action]:
         for action in schedule:
             yield action  # check() validates it before we account for it
-            kind = type(action)
-            if kind is Advance:
+            if type(action) is Advance:
                 for i in range(action.start, action.stop):
                     note(base() + S[i + 1] + of[i])
                     set_cur(i + 1)
-            elif kind is Record:
+            elif type(action) is Record:
                 for i in range(action.start, action.stop):
                     note(base() + t[i] + S[i + 1] + of[i])
                     hold(i)
                     kept.add(i)
                     st["tapes"] += t[i]
                     set_cur(i + 1)
-            elif kind is Reverse:
+            elif type(action) is Reverse:
                 i = action.index
                 if i in kept:
                     note(base() + S[i] + ob[i])
@@ -829,12 +833,12 @@ def hetero_peak(schedule: Iterable[Action], costs: ChainCosts, *,
                     note(base() + t[i] + max(S[i + 1] + of[i], S[i] + ob[i]))
                 set_cur(-1)
                 st["adj"] = i
-            elif kind is Store:
+            elif type(action) is Store:
                 stored[(action.level, action.slot)] = action.index
                 hold(action.index)
-            elif kind is Free:
+            elif type(action) is Free:
                 drop(stored.pop((action.level, action.slot)))
-            elif kind is Restore:
+            elif type(action) is Restore:
                 set_cur(action.index)
             note(base())
 

@@ -146,6 +146,7 @@ class _Table:
             """Lower bound on ``A(k) + T(m - k, c - su)``, convex in ``k``."""
             i = bisect_right(hx, k) - 1
             x0 = hx[i]
+            lo: float
             if x0 == k:
                 lo = hy[i]
             else:
@@ -314,6 +315,7 @@ class Mixed(Schedule):
                         yield Reverse(i)
                     current = -1
                     break
+                assert table is not None  # built whenever the first frame is not a leaf
                 k = table.split[c][m]
                 if slot < 0:
                     slot = free.pop()
@@ -354,14 +356,13 @@ def peak_units(
         nonlocal peak
         for action in schedule:
             yield action  # check() validates it before asking for the next one
-            kind = type(action)
-            if kind is Record:
+            if type(action) is Record:
                 kept.update(range(action.start, action.stop))
-            elif kind is Reverse:
+            elif type(action) is Reverse:
                 kept.discard(action.index)
-            elif kind is Store:
+            elif type(action) is Store:
                 held[(action.level, action.slot)] = action.index
-            elif kind is Free:
+            elif type(action) is Free:
                 held.pop((action.level, action.slot), None)
             used = su * len(held) + tu * len(kept)
             if used > peak:

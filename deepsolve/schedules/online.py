@@ -326,18 +326,17 @@ def _reverse_segment(a: int, m: int, c: int, base: int, free: list[int]) -> Iter
     if first != Store(0, 0):  # pragma: no cover - Revolve's documented start
         raise AssertionError(f"unexpected first revolve action {first!r}")
     for act in actions:
-        kind = type(act)
-        if kind is Advance:
+        if type(act) is Advance:
             yield Advance(a + act.start, a + act.stop)
-        elif kind is Reverse:
+        elif type(act) is Reverse:
             yield Reverse(a + act.index)
-        elif kind is Store:
+        elif type(act) is Store:
             yield Store(slots[act.slot], a + act.index)
-        elif kind is Restore:
+        elif type(act) is Restore:
             yield Restore(slots[act.slot], a + act.index)
-        elif kind is Free:
+        elif type(act) is Free:
             yield Free(slots[act.slot], a + act.index)
-        elif kind is Record:  # pragma: no cover - revolve keeps no tapes
+        elif type(act) is Record:  # pragma: no cover - revolve keeps no tapes
             yield Record(a + act.start, a + act.stop)
         else:  # pragma: no cover
             raise AssertionError(f"unexpected revolve action {act!r}")

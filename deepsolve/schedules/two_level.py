@@ -57,7 +57,7 @@ from collections.abc import Iterable, Iterator
 from fractions import Fraction
 from functools import lru_cache
 
-from .actions import Action, Advance, Free, Restore, Reverse, Store
+from .actions import Action, Advance, Free, Record, Restore, Reverse, Store
 from .base import Schedule
 from .check import stats
 from .cost import optimal_cost
@@ -242,13 +242,13 @@ def _shifted(actions: Iterable[Action], a: int) -> Iterator[Action]:
         yield from actions
         return
     for act in actions:
-        kind = type(act)
-        if kind is Advance:
+        if type(act) is Advance:
             yield Advance(act.start + a, act.stop + a)
-        elif kind is Reverse:
+        elif type(act) is Reverse:
             yield Reverse(act.index + a)
         else:  # Store, Restore, Free (revolve records nothing ahead)
-            yield kind(act.slot, act.index + a, act.level)
+            assert type(act) is not Record
+            yield type(act)(act.slot, act.index + a, act.level)
 
 
 class TwoLevel(Schedule):
