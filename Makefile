@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned to the release on this machine's disk (a plain `torch` pulls a CUDA build)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,docs,tensorboard]'
+	$(PY) -m pip install --quiet -e '.[test,docs,tensorboard,examples]'
 	touch $(STAMP)
 
 # each demo run gets its own directory; runs/navier_stokes-latest points at the newest

@@ -108,3 +108,14 @@ def test_sdist_carries_tests_problems_and_docs(tmp_path):
                  "CHANGELOG.md", "CITATION.cff", "LICENSE", "problems/navier_stokes.py",
                  "tests/test_unroll.py", "docs/unroll.md", "mkdocs.yml"):
         assert need in names, f"{need} missing from the sdist"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_mypy_is_clean_on_the_package(tmp_path):
+    """The annotations py.typed promises hold: mypy (config in pyproject.toml) finds nothing."""
+    pytest.importorskip("mypy", reason="install the [test] extra")
+    r = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "Success: no issues found" in r.stdout
