@@ -52,16 +52,27 @@ def _module_names(mod: str) -> list[str]:
     return [n for n in _public(mod) if f"{mod}.{n}" != _top_identifier(n)]
 
 
+def entries() -> dict[str, list[str]]:
+    """src_uri of each reference page -> the identifiers it documents, in order (a module
+    page starts with the module itself, rendered without members)."""
+    out = {f"reference/{n}.md": [_top_identifier(n)] for n in _public("deepsolve")}
+    for mod in MODULES:
+        out[f"reference/{mod}.md"] = [mod] + [f"{mod}.{n}" for n in _module_names(mod)]
+    return out
+
+
 def _pages() -> dict[str, str]:
     """src_uri -> Markdown of every reference page."""
     pages = {}
+    for uri, idents in entries().items():
+        title = uri[len("reference/"):-len(".md")]
+        title = title if title.startswith("deepsolve.") else f"deepsolve.{title}"
+        body = [f"# {title}\n"]
+        for ident in idents:
+            body.append(f"::: {ident}\n" + ("    options:\n      members: false\n"
+                                            if ident in MODULES else ""))
+        pages[uri] = "\n".join(body)
     top = _public("deepsolve")
-    for name in top:
-        pages[f"reference/{name}.md"] = f"# deepsolve.{name}\n\n::: {_top_identifier(name)}\n"
-    for mod in MODULES:
-        body = [f"# {mod}\n", f"::: {mod}\n    options:\n      members: false\n"]
-        body += [f"::: {mod}.{n}\n" for n in _module_names(mod)]
-        pages[f"reference/{mod}.md"] = "\n".join(body)
     index = ["# API reference\n", "Generated from the docstrings of the public names "
              "(each module's `__all__`).\n", "## deepsolve\n"]
     index += [f"- [`deepsolve.{n}`]({n}.md)" for n in top]
@@ -72,10 +83,7 @@ def _pages() -> dict[str, str]:
 
 def documented() -> set[str]:
     """Every identifier the reference pages define (``deepsolve.pinn.FNN``, ...)."""
-    out = {_top_identifier(n) for n in _public("deepsolve")} | set(MODULES)
-    for mod in MODULES:
-        out |= {f"{mod}.{n}" for n in _module_names(mod)}
-    return out
+    return {ident for idents in entries().values() for ident in idents}
 
 
 def on_config(config):
