@@ -880,7 +880,9 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
     adjoint_every = int(cfg["adjoint_every"])
     track = ctx.device.type == "cpu" and bool(cfg["budget"])
     memory_every = max(int(cfg.get("memory_every", 1)), 1)
-    closure_opt = isinstance(optimizer, torch.optim.LBFGS)
+    # optimizers that evaluate the loss themselves: L-BFGS and those saying so
+    closure_opt = (isinstance(optimizer, torch.optim.LBFGS)
+                   or bool(getattr(optimizer, "needs_closure", False)))
 
     def checkpoint(k: int) -> None:
         """The log's rows up to iteration k-1 reach the disk before the restart file at k is

@@ -79,6 +79,7 @@ from deepsolve.pinn import (
     AdamLBFGSTraining,
     ChunkedResidual,
     Collocation,
+    LeastSquaresTerm,
     Rectangle,
     jet,
     make_weights,
@@ -135,34 +136,45 @@ class HardConstrained(torch.nn.Module):
 class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
     defaults = {
         # trainer
-        "iterations": 1150,        # total trainer iterations: adam_iterations + L-BFGS steps
-        "lr": 1e-3,                # Adam learning rate
+        "iterations": 2000,        # total trainer iterations (warm-up + second-order steps)
+        "lr": 1e-3,                # Adam learning rate (warm-up, "adam+lbfgs", "adam")
         "eval_every": 10,
         "checkpoint_every": 100,
-        "dtype": "float32",        # precision of the Adam phase
+        "dtype": "float64",        # precision of the run (of its first phase with switch_at)
         # optimiser
-        "optimizer": "adam+lbfgs",  # "adam+lbfgs", "adam" or "lbfgs"
-        "adam_iterations": 1000,
+        "optimizer": "gauss_newton",  # "gauss_newton", "ssbroyden", "bfgs", "adam+lbfgs",
+                                      # "adam" or "lbfgs"
+        "warmup": 0,               # Adam steps before a second-order optimizer
+        "gn_iters": 1,             # Gauss-Newton iterations per trainer iteration
+        "gn_damping": 1e-3,        # initial Levenberg-Marquardt damping (relative)
+        "jacobian_budget": "",     # e.g. "64MiB": Jacobian chunk size ("" = the run's budget)
+        "qn_iters": 20,            # SSBroyden/BFGS iterations per trainer iteration
+        "self_scaled": True,       # "bfgs": self-scaled (SSBFGS) or plain BFGS
+        "adam_iterations": 1000,   # "adam+lbfgs": Adam steps before L-BFGS
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
-        "switch_at": 1000,         # iteration from which the run is in switch_dtype (-1 never)
+        "switch_at": -1,           # iteration from which the run is in switch_dtype (-1 never)
         "switch_dtype": "float64",
         # physics
         "nu": NU,
         # network
         "width": 20,
-        "depth": 8,
+        "depth": 4,
         "constraints": "hard",     # "hard": exact ansatz; "soft": initial/boundary loss terms
         "derivatives": "autograd",  # "autograd", "taylor" (one pass) or "func" (torch.func)
         "compile": False,          # torch.compile the residual (pays off with "taylor")
         # points
-        "n_collocation": 10000,
+        "n_collocation": 5000,
         "n_data": 100,             # initial + boundary points (Raissi's N_u)
         "sampling": "lhs",         # "uniform", "sobol", "halton" or "lhs"
         "resample_every": 0,       # Adam phase only
         "rar_every": 0,
         "rar_pool": 50000,
         "rar_add": 200,
+        "rad_every": 50,           # RAD: redraw the set from the residual every this many (0 off)
+        "rad_pool": 50000,
+        "rad_k": 1.0,
+        "rad_c": 1.0,
         "residual_budget": "",     # e.g. "64MiB": chunk the residual ("" = the run's budget)
         # weighting
         "weighting": "fixed",
@@ -207,11 +219,10 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
                              "'func' (Taylor mode runs on a bare FNN)")
         ctx.model = (HardConstrained(net) if hard else net).to(device=device, dtype=dtype)
         # weights adapt during Adam only: L-BFGS needs one fixed objective
-        adam = {"adam+lbfgs": int(cfg.adam_iterations), "lbfgs": 0}.get(str(cfg.optimizer))
         terms = ("pde",) if hard else TERMS
         weights = make_weights(str(cfg.weighting), {k: 1.0 for k in terms}, reference=("pde",),
                                alpha=float(cfg.anneal_alpha), every=int(cfg.anneal_every),
-                               until=adam)
+                               until=self._adapt_until(ctx))
         ctx.data = {
             "geometry": geom,
             "collocation": coll,
@@ -234,22 +245,44 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
 
         return torch.compile(fn) if bool(ctx.cfg.compile) else fn
 
-    def pde(self, ctx, x):
+    def pde(self, ctx, x, backend: str | None = None):
         """Residual ``u_t + u u_x - nu u_xx`` at points ``(N, 2)`` of ``(x, t)``, ``(N,)``."""
-        j = jet(ctx.model, x, 2, backend=str(ctx.cfg.derivatives), hessian_pairs=((0, 0),))
+        j = jet(ctx.model, x, 2, backend=backend or str(ctx.cfg.derivatives),
+                hessian_pairs=((0, 0),))
         u = j.value
         u_x, u_t = j.jacobian[:, 0], j.jacobian[:, 1]
         u_xx = j.d(None, 0, 0)
         return u_t + u * u_x - float(ctx.cfg.nu) * u_xx
 
-    def residuals(self, ctx, iteration):
+    def _points(self, ctx, iteration):
         d, cfg = ctx.data, ctx.cfg
         coll = d["collocation"]
         if (int(cfg.rar_every) > 0 and iteration > 0 and iteration % int(cfg.rar_every) == 0
                 and self.adam_phase(ctx, iteration)):
             coll.refine(lambda x: self.pde(ctx, x), int(cfg.rar_pool), int(cfg.rar_add),
                         iteration=iteration)
-        x = coll.points(self.collocation_iteration(ctx, iteration)).to(d["test"].dtype)
+        every = int(cfg.rad_every)
+        if (every > 0 and iteration > 0 and iteration % every == 0
+                and self.collocation_iteration(ctx, iteration) == iteration):
+            coll.redistribute(lambda x: self.pde(ctx, x), int(cfg.rad_pool), iteration,
+                              k=float(cfg.rad_k), c=float(cfg.rad_c))
+        return coll.points(self.collocation_iteration(ctx, iteration)).to(d["test"].dtype)
+
+    def least_squares_terms(self, ctx, iteration):
+        """The loss terms as residual vectors, for ``optimizer = "gauss_newton"``."""
+        d, w = ctx.data, ctx.data["weights"]
+        terms = [LeastSquaresTerm(lambda x: self.pde(ctx, x, "func"),
+                                  self._points(ctx, iteration), float(w.get("pde", 1.0)))]
+        if not _constraints(ctx.cfg):
+            for k in ("initial", "boundary"):  # points (x, t, u): the target rides along
+                pts = torch.cat([d[f"x_{k}"], d[f"u_{k}"].unsqueeze(1)], 1)
+                terms.append(LeastSquaresTerm(lambda p: ctx.model(p[:, :2]) - p[:, 2], pts,
+                                              float(w.get(k, 1.0))))
+        return terms
+
+    def residuals(self, ctx, iteration):
+        d, cfg = ctx.data, ctx.cfg
+        x = self._points(ctx, iteration)
         terms = {"pde": d["residual"](x)}
         if _constraints(cfg):  # initial and boundary values hold exactly
             d["weights"].update_from(terms, ctx.model.parameters(), iteration)

@@ -81,6 +81,7 @@ from deepsolve.pinn import (
     AdamLBFGSTraining,
     ChunkedResidual,
     Collocation,
+    LeastSquaresTerm,
     Rectangle,
     jet,
     make_weights,
@@ -114,8 +115,15 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
         "checkpoint_every": 100,
         "dtype": "float32",        # precision of the Adam phase
         # optimiser
-        "optimizer": "adam+lbfgs",  # "adam+lbfgs", "adam" or "lbfgs"
-        "adam_iterations": 2000,   # Adam steps before L-BFGS takes over
+        "optimizer": "adam+lbfgs",  # "gauss_newton", "ssbroyden", "bfgs", "adam+lbfgs",
+                                    # "adam" or "lbfgs"
+        "warmup": 0,               # Adam steps before a second-order optimizer
+        "gn_iters": 1,             # Gauss-Newton iterations per trainer iteration
+        "gn_damping": 1e-3,        # initial Levenberg-Marquardt damping (relative)
+        "jacobian_budget": "",     # e.g. "64MiB": Jacobian chunk size ("" = the run's budget)
+        "qn_iters": 20,            # SSBroyden/BFGS iterations per trainer iteration
+        "self_scaled": True,       # "bfgs": self-scaled (SSBFGS) or plain BFGS
+        "adam_iterations": 2000,   # "adam+lbfgs": Adam steps before L-BFGS takes over
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
         "switch_at": 2100,         # iteration from which the run is in switch_dtype (-1 never)
@@ -160,10 +168,9 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
         ctx.model = FNN(2, 3, int(cfg.width), int(cfg.depth)).to(device=device, dtype=dtype)
         test = geom.grid(int(cfg.test_grid), dtype=dtype, device=device)
         # weights adapt during Adam only: L-BFGS needs one fixed objective
-        adam = {"adam+lbfgs": int(cfg.adam_iterations), "lbfgs": 0}.get(str(cfg.optimizer))
         weights = make_weights(str(cfg.weighting), {k: 1.0 for k in TERMS},
                                reference=PDE_TERMS, alpha=float(cfg.anneal_alpha),
-                               every=int(cfg.anneal_every), until=adam)
+                               every=int(cfg.anneal_every), until=self._adapt_until(ctx))
         ctx.data = {
             "geometry": geom,
             "interior": interior,
@@ -186,10 +193,10 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
 
         return torch.compile(fn) if bool(ctx.cfg.compile) else fn
 
-    def pde(self, ctx, x):
+    def pde(self, ctx, x, backend: str | None = None):
         """The three residuals at points ``x (N, 2)``: a dict of ``(N,)`` tensors."""
-        j = jet(ctx.model, x, 2, backend=str(ctx.cfg.derivatives), hessian_components=(0, 1),
-                hessian_pairs=((0, 0), (1, 1)))
+        j = jet(ctx.model, x, 2, backend=backend or str(ctx.cfg.derivatives),
+                hessian_components=(0, 1), hessian_pairs=((0, 0), (1, 1)))
         u, v = j.value[:, 0], j.value[:, 1]
         u_x, u_y = j.jacobian[:, 0, 0], j.jacobian[:, 0, 1]
         v_x, v_y = j.jacobian[:, 1, 0], j.jacobian[:, 1, 1]
@@ -201,15 +208,45 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
             "continuity": u_x + v_y,
         }
 
-    def residuals(self, ctx, iteration):
-        d = ctx.data
-        cfg = ctx.cfg
+    def _points(self, ctx, iteration):
+        d, cfg = ctx.data, ctx.cfg
         coll = d["interior"]
         if (int(cfg.rar_every) > 0 and iteration > 0 and iteration % int(cfg.rar_every) == 0
                 and self.adam_phase(ctx, iteration)):
             coll.refine(lambda x: self.pde(ctx, x), int(cfg.rar_pool), int(cfg.rar_add),
                         iteration=iteration)
-        x = coll.points(self.collocation_iteration(ctx, iteration)).to(d["xb"].dtype)
+        return coll.points(self.collocation_iteration(ctx, iteration)).to(d["xb"].dtype)
+
+    def least_squares_terms(self, ctx, iteration):
+        """The six loss terms as three residual vectors (for ``optimizer =
+        "gauss_newton"``): the momentum and continuity residuals at the interior points,
+        the ``u, v`` misfit on the boundary, the ``p`` misfit on the outflow; targets ride
+        along as extra columns of the points."""
+        d, w = ctx.data, ctx.data["weights"]
+
+        def pde(x):
+            r = self.pde(ctx, x, "func")
+            return torch.stack([r[k] for k in PDE_TERMS], 1)
+
+        def bc(p):
+            return ctx.model(p[:, :2])[:, :2] - p[:, 2:]
+
+        def bc_p(p):
+            return ctx.model(p[:, :2])[:, 2] - p[:, 2]
+
+        xb, ub, out = d["xb"], d["ub"], d["outflow"]
+        return [
+            LeastSquaresTerm(pde, self._points(ctx, iteration),
+                             [float(w.get(k, 1.0)) for k in PDE_TERMS]),
+            LeastSquaresTerm(bc, torch.cat([xb, ub[:, :2]], 1),
+                             [float(w.get(k, 1.0)) for k in ("bc_u", "bc_v")]),
+            LeastSquaresTerm(bc_p, torch.cat([xb[out], ub[out, 2:]], 1),
+                             float(w.get("bc_p", 1.0))),
+        ]
+
+    def residuals(self, ctx, iteration):
+        d = ctx.data
+        x = self._points(ctx, iteration)
         terms = dict(d["residual"](x))
         pred = ctx.model(d["xb"])
         err = pred - d["ub"]

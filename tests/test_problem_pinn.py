@@ -107,7 +107,8 @@ TINY_NS = ["n_interior=64", "n_boundary=40", "width=8", "depth=2", "test_grid=11
            "compile=false", "adam_iterations=3", "lbfgs_iters=3", "eval_every=2"]
 TINY_BURGERS = ["n_collocation=64", "n_data=30", "width=8", "depth=2", "adam_iterations=3",
                 "lbfgs_iters=3", "eval_every=2", "quad_nodes=60", "compile=false",
-                "constraints=soft"]
+                "constraints=soft", "optimizer=adam+lbfgs", "dtype=float32",
+                "switch_at=1000", "rad_every=0"]
 CASES = [
     (KOVASZNAY, TINY_NS, {"momentum_x", "momentum_y", "continuity", "bc_u", "bc_v", "bc_p"},
      {"u_rel_l2", "v_rel_l2", "p_rel_l2", "max_rel_l2"}),
@@ -321,3 +322,58 @@ def test_the_trainer_applies_annealed_weights(tmp_path):
     total = sum(c[f"loss/{k}"] for k in ("momentum_x", "momentum_y", "continuity"))
     total = total + sum(w[k] * c[f"loss/{k}"] for k in w)
     np.testing.assert_allclose(c["loss"], total, rtol=1e-10)
+
+
+# ----------------------------------------------------------------------------- second order
+
+SECOND = {
+    "gauss_newton": ["optimizer=gauss_newton"],
+    "ssbroyden": ["optimizer=ssbroyden", "qn_iters=4"],
+    "bfgs": ["optimizer=bfgs", "qn_iters=4", "self_scaled=false"],
+}
+
+
+@pytest.mark.parametrize("path,tiny", [(BURGERS, TINY_BURGERS), (KOVASZNAY, TINY_NS)],
+                         ids=["burgers", "kovasznay"])
+@pytest.mark.parametrize("name", list(SECOND))
+def test_second_order_resumed_run_equals_uninterrupted(tmp_path, path, tiny, name):
+    """An Adam warm-up, then the second-order optimizer, in float64, with the collocation
+    set redrawn by RAD (Burgers): a run stopped after iteration 4 and resumed equals one
+    that ran through — the optimizer's state (Gauss–Newton damping, the SSBroyden inverse
+    Hessian, the phase) and the RAD points are in the restart file. The loss falls."""
+    sets = tiny + SECOND[name] + ["dtype=float64", "switch_at=-1", "warmup=2",
+                                  "checkpoint_every=100"]
+    if path == BURGERS:
+        sets += ["rad_every=3", "rad_pool=300"]
+    out = str(tmp_path / "run")
+    train(str(path), sets=sets, overrides={"iterations": 4}, out=out, quiet=True)
+    res = train(str(path), sets=sets, overrides={"iterations": 8}, out=out, resume=True,
+                quiet=True)
+    whole = train(str(path), sets=sets, overrides={"iterations": 8},
+                  out=str(tmp_path / "whole"), quiet=True)
+    a, b = read_log(res.log_path).columns, read_log(whole.log_path).columns
+    assert list(a["iteration"]) == list(range(8))
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-10, atol=0)
+    assert a["loss"][-1] < 0.5 * a["loss"][1]
+    assert a["lr"][0] == pytest.approx(1e-3) and a["lr"][-1] == pytest.approx(1.0)
+    sa = torch.load(res.restart_path, weights_only=True)
+    sb = torch.load(whole.restart_path, weights_only=True)
+    for k in sa["model"]:
+        torch.testing.assert_close(sa["model"][k], sb["model"][k], rtol=1e-10, atol=1e-13)
+    assert sa["model"][k].dtype == torch.float64
+
+
+def test_gauss_newton_needs_least_squares_terms_and_known_names(tmp_path):
+    prob, _ = load_problem(BURGERS)
+    cfg = apply_overrides(prob.config(), TINY_BURGERS + ["optimizer=newton"])
+    ctx = Context(cfg, torch.device("cpu"), torch.float64)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        prob.build(ctx)
+        prob.optimizer(ctx, list(ctx.model.parameters()))
+    from deepsolve.pinn import AdamLBFGSTraining
+
+    class NoTerms(AdamLBFGSTraining):
+        pass
+
+    with pytest.raises(ValueError, match="needs the problem to define least_squares_terms"):
+        NoTerms().least_squares_terms(ctx, 0)

@@ -16,7 +16,13 @@
   collocation points (:func:`sample_time_slices`).
 * :mod:`.chunked` — mean squared residuals over large sets in recomputed chunks whose size
   follows a memory budget (:class:`ChunkedResidual`).
-* :mod:`.optim` — :class:`AdamLBFGS`, Adam then L-BFGS; :func:`switch_precision`.
+* :mod:`.optim` — :class:`AdamLBFGS`, Adam then L-BFGS; :class:`AdamWarmup`, Adam then a
+  second-order optimizer; :func:`switch_precision`.
+* :mod:`.quasi_newton` — :class:`SelfScaledBroyden`: full-memory SSBroyden, SSBFGS and BFGS
+  with a strong-Wolfe line search (float64, networks up to ~10⁴ parameters).
+* :mod:`.gauss_newton` — :class:`GaussNewton`: Levenberg–Marquardt on the residual vector
+  (:class:`LeastSquaresTerm`), Jacobian by ``torch.func`` in chunks
+  (:func:`residual_jacobian`), dense normal equations or matrix-free CG.
 * :mod:`.training` — :class:`AdamLBFGSTraining`, the optimiser, precision-switch and
   restart-state hooks that PINN problem classes share.
 
@@ -50,11 +56,13 @@ from .derivatives import (
     partial,
     pointwise,
 )
+from .gauss_newton import GaussNewton, LeastSquaresTerm, least_squares_loss, residual_jacobian
 from .geometry import Box, Interval, Rectangle, SpaceTime, unit_samples
 from .networks import ACTIVATIONS, FNN
-from .optim import AdamLBFGS, switch_precision
+from .optim import AdamLBFGS, AdamWarmup, switch_precision
+from .quasi_newton import QUASI_NEWTON, SelfScaledBroyden
 from .sampling import Collocation, residual_magnitude, select_largest
-from .training import OPTIMIZERS, AdamLBFGSTraining
+from .training import OPTIMIZERS, SECOND_ORDER, AdamLBFGSTraining
 from .weighting import AnnealingWeights, FixedWeights, Weights, make_weights
 
 __all__ = [
@@ -65,7 +73,9 @@ __all__ = [
     "Weights", "FixedWeights", "AnnealingWeights", "make_weights",
     "SavedBytes", "bytes_per_point", "chunk_size_for_budget", "chunked_sum", "chunked_mse",
     "ChunkedResidual",
-    "AdamLBFGS", "switch_precision", "AdamLBFGSTraining", "OPTIMIZERS",
+    "AdamLBFGS", "AdamWarmup", "switch_precision", "AdamLBFGSTraining", "OPTIMIZERS",
+    "SECOND_ORDER", "SelfScaledBroyden", "QUASI_NEWTON", "GaussNewton", "LeastSquaresTerm",
+    "least_squares_loss", "residual_jacobian",
     "causal_loss", "causal_weights", "CausalWeighting", "sample_time_slices", "slice_mse",
     "PAPER_EPS",
 ]

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdamLBFGS", "switch_precision"]
+__all__ = ["AdamLBFGS", "AdamWarmup", "switch_precision"]
 
 
 def switch_precision(model: torch.nn.Module, data: MutableMapping[str, Any] | None,
@@ -212,4 +212,76 @@ class AdamLBFGS(torch.optim.LBFGS):
         self.scale = float(state_dict.get("scale", 0.0))
         self.restarts = int(state_dict.get("restarts", 0))
         self.lbfgs_lr = float(self.param_groups[0]["lr"])
+        self._show_lr()
+
+
+class AdamWarmup(torch.optim.Optimizer):
+    """Adam for ``warmup`` steps, then ``second`` — a closure optimizer (``needs_closure``,
+    such as :class:`~deepsolve.pinn.GaussNewton` or
+    :class:`~deepsolve.pinn.SelfScaledBroyden`).
+
+    Every step takes the trainer's closure; the phase follows the optimizer's own step count
+    (in its ``state_dict`` with both optimizers' states), so a resumed run continues in the
+    right phase. ``on_step(k)`` is called before step ``k`` (a precision switch goes there:
+    ``second`` builds its state, in the parameters' dtype, at its first step).
+    ``param_groups[0]["lr"]`` shows Adam's learning rate during the warm-up and 1 after.
+
+    Args:
+        params: the parameters (one group).
+        second: the optimizer that follows (over the same parameters).
+        warmup: Adam steps first (0: ``second`` only).
+        adam_lr, adam_kwargs: Adam's settings.
+        on_step: the hook above.
+    """
+
+    needs_closure = True
+
+    def __init__(self, params: Iterable[torch.Tensor], second: torch.optim.Optimizer,
+                 warmup: int = 0, adam_lr: float = 1e-3, adam_kwargs: dict | None = None,
+                 on_step: Callable[[int], object] | None = None):
+        params = list(params)
+        super().__init__(params, {"lr": float(adam_lr)})
+        if int(warmup) < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        self.adam = torch.optim.Adam(params, lr=adam_lr, **(adam_kwargs or {}))
+        self.second = second
+        self.warmup = int(warmup)
+        self.steps_taken = 0
+        self.on_step = on_step
+        self._show_lr()
+
+    @property
+    def phase(self) -> str:
+        """``"adam"`` or ``"second"``: what the next step does."""
+        return "adam" if self.steps_taken < self.warmup else "second"
+
+    def _show_lr(self) -> None:
+        self.param_groups[0]["lr"] = (self.adam.param_groups[0]["lr"] if self.phase == "adam"
+                                      else 1.0)
+
+    def step(self, closure: Callable[[], torch.Tensor]):  # type: ignore[override]
+        if closure is None:
+            raise ValueError("AdamWarmup.step needs a closure that returns the loss after "
+                             "calling backward()")
+        if self.on_step is not None:
+            self.on_step(self.steps_taken)
+        loss: Any
+        if self.phase == "adam":
+            with torch.enable_grad():
+                loss = closure()
+            self.adam.step()
+        else:
+            loss = self.second.step(closure)  # type: ignore[arg-type]  # returns the loss
+        self.steps_taken += 1
+        self._show_lr()
+        return loss
+
+    def state_dict(self) -> dict:
+        return {"steps_taken": self.steps_taken, "warmup": self.warmup,
+                "adam": self.adam.state_dict(), "second": self.second.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.adam.load_state_dict(state_dict["adam"])
+        self.second.load_state_dict(state_dict["second"])
+        self.steps_taken = int(state_dict["steps_taken"])
         self._show_lr()

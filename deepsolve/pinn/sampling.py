@@ -10,7 +10,11 @@ between those calls:
   reproducible and a resumed run draws the same sets;
 * :meth:`refine` (RAR, Lu et al. 2021, *SIAM Rev.* 63(1) "DeepXDE") evaluates the residual on
   a large candidate pool and adds the ``m`` candidates with the largest residual; the added
-  points are kept across resampling (up to ``max_added``).
+  points are kept across resampling (up to ``max_added``);
+* :meth:`redistribute` (RAD, Wu et al. 2023, *CMAME* 403, 115671) replaces the base set by
+  ``n`` points drawn without replacement from a candidate pool with probability
+  :math:`p(x) \propto |r(x)|^k / \overline{|r|^k} + c`: most points where the residual is
+  large, a share ``c/(1+c)`` spread uniformly.
 
 Keep ``resample_every = 0`` (a fixed set) while training with L-BFGS: its curvature pairs
 assume one objective.
@@ -91,6 +95,7 @@ class Collocation:
         self.base = sampler(self.n, _epoch_seed(self.seed, 0))
         self.added = self.base[:0]
         self.last_refined: int | None = None
+        self.last_redistributed: int | None = None
 
     def __len__(self) -> int:
         return self.base.shape[0] + self.added.shape[0]
@@ -134,9 +139,43 @@ class Collocation:
         self.add(new)
         return new
 
+    def redistribute(self, residual_fn: Callable, pool: int | torch.Tensor, iteration: int,
+                     k: float = 1.0, c: float = 1.0, chunk: int = 8192) -> torch.Tensor:
+        """RAD: replace the base set by ``n`` points drawn from a candidate pool (a tensor,
+        or an int: that many points from the sampler, seeded by ``iteration``) with
+        probability proportional to ``|r|**k / mean(|r|**k) + c``. A second call for the same
+        ``iteration`` does nothing (safe inside a closure). Returns the new base set."""
+        if self.last_redistributed == iteration:
+            return self.base
+        if not (float(k) >= 0 and float(c) >= 0):
+            raise ValueError(f"redistribute needs k >= 0 and c >= 0, got k={k}, c={c}")
+        self.last_redistributed = iteration
+        if isinstance(pool, torch.Tensor):
+            cand = pool.to(self.base)
+        else:
+            cand = self.sampler(int(pool), _epoch_seed(self.seed + 2, iteration))
+        if cand.shape[0] < self.n:
+            raise ValueError(f"redistribute: the pool has {cand.shape[0]} points, fewer than "
+                             f"the set's {self.n}")
+        mags = []
+        for xc in cand.split(int(chunk)):
+            with torch.enable_grad():
+                mags.append(residual_magnitude(residual_fn(xc)))
+        err = torch.cat(mags).double().pow(float(k))
+        mean = err.mean()
+        p = (err / mean if mean > 0 else torch.zeros_like(err)) + float(c)
+        if not bool(torch.isfinite(p).all()) or not float(p.sum()) > 0:
+            raise FloatingPointError("redistribute: the residual on the pool is not finite")
+        gen = torch.Generator().manual_seed(_epoch_seed(self.seed + 3, iteration))
+        idx = torch.multinomial(p.cpu(), self.n, replacement=False, generator=gen)
+        self.base = cand[idx.to(cand.device)].detach()
+        return self.base
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "base": self.base, "added": self.added,
-                "last_refined": -1 if self.last_refined is None else self.last_refined}
+                "last_refined": -1 if self.last_refined is None else self.last_refined,
+                "last_redistributed": (-1 if self.last_redistributed is None
+                                       else self.last_redistributed)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
@@ -144,3 +183,5 @@ class Collocation:
         self.added = state["added"].to(self.base)
         lr = int(state["last_refined"])
         self.last_refined = None if lr < 0 else lr
+        lr = int(state.get("last_redistributed", -1))
+        self.last_redistributed = None if lr < 0 else lr

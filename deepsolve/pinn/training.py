@@ -26,12 +26,17 @@ from typing import Any
 
 import torch
 
-from .optim import AdamLBFGS, switch_precision
+from .gauss_newton import GaussNewton, LeastSquaresTerm
+from .optim import AdamLBFGS, AdamWarmup, switch_precision
+from .quasi_newton import SelfScaledBroyden
 
-__all__ = ["AdamLBFGSTraining", "OPTIMIZERS"]
+__all__ = ["AdamLBFGSTraining", "OPTIMIZERS", "SECOND_ORDER"]
 
-OPTIMIZERS = ("adam+lbfgs", "adam", "lbfgs")
+OPTIMIZERS = ("adam+lbfgs", "adam", "lbfgs", "ssbroyden", "bfgs", "gauss_newton")
 """The values of the ``optimizer`` setting."""
+
+SECOND_ORDER = ("ssbroyden", "bfgs", "gauss_newton")
+"""The optimizers that follow an optional Adam warm-up of ``warmup`` steps."""
 
 
 class AdamLBFGSTraining:
@@ -50,24 +55,33 @@ class AdamLBFGSTraining:
     def _optimizer_name(self, ctx) -> str:
         name = str(ctx.cfg.optimizer).lower()
         if name not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be 'adam+lbfgs', 'adam' or 'lbfgs', got "
-                             f"{ctx.cfg.optimizer!r}")
+            raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))}, "
+                             f"got {ctx.cfg.optimizer!r}")
         return name
 
     def lbfgs_start(self, ctx) -> int:
-        """The first L-BFGS iteration (``adam_iterations``; 0 for ``"lbfgs"``; never for
-        ``"adam"``, reported as a huge number)."""
-        return {"adam+lbfgs": int(ctx.cfg.adam_iterations), "lbfgs": 0}.get(
-            self._optimizer_name(ctx), 2**62)
+        """The first iteration after Adam: ``adam_iterations`` for ``"adam+lbfgs"``, 0 for
+        ``"lbfgs"``, ``warmup`` (default 0) for the second-order optimizers, never for
+        ``"adam"`` (reported as a huge number)."""
+        name = self._optimizer_name(ctx)
+        if name in SECOND_ORDER:
+            return int(getattr(ctx.cfg, "warmup", 0))
+        return {"adam+lbfgs": int(ctx.cfg.adam_iterations), "lbfgs": 0}.get(name, 2**62)
+
+    def _adapt_until(self, ctx) -> int | None:
+        """Until which iteration annealed weights may adapt: the end of the Adam phase (the
+        second-order methods need one fixed objective); ``None`` (always) for ``"adam"``."""
+        return None if self._optimizer_name(ctx) == "adam" else self.lbfgs_start(ctx)
 
     def adam_phase(self, ctx, iteration: int) -> bool:
         """Whether ``iteration`` is an Adam step."""
         return iteration < self.lbfgs_start(ctx)
 
     def collocation_iteration(self, ctx, iteration: int) -> int:
-        """The iteration whose collocation set ``iteration`` uses: its own during Adam, the
-        last Adam set during L-BFGS (one fixed objective)."""
-        if self.adam_phase(ctx, iteration):
+        """The iteration whose collocation set ``iteration`` uses: its own during Adam and
+        Gauss–Newton (whose steps need no fixed objective), the last Adam set during L-BFGS
+        and the other quasi-Newton methods (one fixed objective)."""
+        if self.adam_phase(ctx, iteration) or self._optimizer_name(ctx) == "gauss_newton":
             return iteration
         return max(self.lbfgs_start(ctx) - 1, 0)
 
@@ -80,13 +94,42 @@ class AdamLBFGSTraining:
 
     def on_step(self, ctx, iteration: int) -> bool:
         """Called by the optimiser before every step; ``True`` resets the L-BFGS memory."""
+        ctx.data["_iteration"] = int(iteration)
         return self.switch_precision_at(ctx, iteration)
+
+    def least_squares_terms(self, ctx, iteration: int) -> list[LeastSquaresTerm]:
+        """The loss as :class:`~deepsolve.pinn.LeastSquaresTerm` residuals for
+        ``optimizer = "gauss_newton"``: one per term of ``residuals`` with the same weight
+        (``weight * mean(fn(points)**2)`` must equal the term's value). Problems that offer
+        Gauss–Newton override this."""
+        raise ValueError(f"{type(self).__name__}: optimizer='gauss_newton' needs the problem "
+                         "to define least_squares_terms(ctx, iteration); use 'ssbroyden', "
+                         "'bfgs' or 'adam+lbfgs'")
 
     def optimizer(self, ctx, params):
         cfg = ctx.cfg
-        return AdamLBFGS(params, switch_at=self.lbfgs_start(ctx), adam_lr=float(cfg.lr),
-                         max_iter=int(cfg.lbfgs_iters), history_size=int(cfg.lbfgs_history),
-                         on_step=lambda k: self.on_step(ctx, k))
+        name = self._optimizer_name(ctx)
+        if name not in SECOND_ORDER:
+            return AdamLBFGS(params, switch_at=self.lbfgs_start(ctx), adam_lr=float(cfg.lr),
+                             max_iter=int(cfg.lbfgs_iters),
+                             history_size=int(cfg.lbfgs_history),
+                             on_step=lambda k: self.on_step(ctx, k))
+        params = list(params)
+        second: torch.optim.Optimizer
+        if name == "gauss_newton":
+            budget = str(getattr(cfg, "jacobian_budget", "") or getattr(cfg, "budget", "") or "")
+            second = GaussNewton(
+                params, ctx.model,
+                lambda: self.least_squares_terms(ctx, int(ctx.data.get("_iteration", 0))),
+                max_iter=int(getattr(cfg, "gn_iters", 1)),
+                damping=float(getattr(cfg, "gn_damping", 1e-3)),
+                budget=budget or None)
+        else:
+            second = SelfScaledBroyden(params, method="ssbroyden" if name == "ssbroyden"
+                                       else "ssbfgs" if getattr(cfg, "self_scaled", True)
+                                       else "bfgs", max_iter=int(getattr(cfg, "qn_iters", 20)))
+        return AdamWarmup(params, second, warmup=self.lbfgs_start(ctx), adam_lr=float(cfg.lr),
+                          on_step=lambda k: self.on_step(ctx, k))
 
     def weights(self, ctx):
         return ctx.data["weights"]

@@ -1,0 +1,415 @@
+r"""Gauss–Newton / Levenberg–Marquardt on the residual vector of a PINN loss.
+
+A PINN loss is a weighted sum of mean squares,
+
+.. math::
+
+    L(\theta) = \sum_k \sum_c \frac{w_{k,c}}{M_k} \sum_{i=1}^{M_k} r_{k,c}(x_{k,i};
+    \theta)^2 = \|\tilde r(\theta)\|^2,\qquad
+    \tilde r = \big(\sqrt{w_{k,c} / M_k}\; r_{k,c}(x_{k,i}; \theta)\big)_{k,i,c},
+
+term :math:`k` (:class:`LeastSquaresTerm`) having :math:`M_k` points and components
+:math:`c` (one residual per point and component). Gauss–Newton replaces
+the Hessian by :math:`2 J^\top J`, :math:`J = \partial\tilde r/\partial\theta` (``(M, P)``), and
+Levenberg–Marquardt damps it: the step :math:`\delta` solves
+
+.. math::
+
+    (J^\top J + \mu I)\,\delta = -J^\top \tilde r .
+
+It is accepted when the gain ratio :math:`\rho = (L(\theta) - L(\theta+\delta)) /
+(L(\theta) - \|\tilde r + J\delta\|^2)` is positive; :math:`\mu` then shrinks by
+:math:`\max(1/3, 1 - (2\rho - 1)^3)`, and on a rejected step it grows by :math:`\nu`
+(:math:`\nu` doubling each time) and the system is solved again with the same Jacobian —
+the damping is the line search (Nielsen 1999; Madsen, Nielsen & Tingleff, *Methods for
+non-linear least squares problems*, DTU 2004, §3.2). :math:`\mu_0 = \tau\,\max_j (J^\top
+J)_{jj}`.
+
+* **Jacobian** — per point, by ``torch.func``: ``vmap`` over the points of ``jacrev`` of the
+  residual of one point with respect to the parameters (the model's parameters are
+  substituted by :func:`torch.func.functional_call`). The residual functions must therefore
+  be ``torch.func``-traceable: the ``"func"`` and ``"taylor"`` derivative backends are,
+  ``"autograd"`` (``torch.autograd.grad`` inside) is not.
+* **Dense normal equations** (``P <= dense_max`` parameters): :math:`A = J^\top J` and
+  :math:`g = J^\top\tilde r` are accumulated chunk by chunk of points, so the whole
+  Jacobian is never held; a chunk has ``chunk_rows`` points, or as many as fit in
+  ``budget`` bytes at ``3 P k`` values per point of ``k`` components (the Jacobian rows,
+  the per-point gradients ``vmap`` builds, and the product). A Cholesky factorisation
+  solves each damped system.
+* **Matrix-free CG** (``P > dense_max``): the system is solved by conjugate gradients with
+  products :math:`J v` (``torch.func.jvp``) and :math:`J^\top u` (``torch.func.vjp``) over
+  the same chunks, at most ``cg_iters`` iterations to relative residual ``cg_tol``.
+
+The optimizer takes ``closure`` steps like ``torch.optim.LBFGS`` (``needs_closure``): after
+its ``max_iter`` Gauss–Newton iterations it calls the closure once at the new parameters, so
+the trainer logs the loss and gradient there. At its first step it checks that its objective
+equals the closure's loss (``check_rtol``): terms that disagree with the trainer's loss would
+minimise something else, and are refused.
+
+References: Levenberg 1944; Marquardt 1963; Müller & Zeinhofer, *Achieving high accuracy with
+PINNs via energy natural gradient descent*, ICML 2023 (Gauss–Newton in function space for
+PINN losses); Jnini, Vella & Zeinhofer, arXiv 2402.10680 (2024).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch.func import functional_call, jacrev, jvp, vjp, vmap
+
+from ..memory.budget import parse_budget
+
+__all__ = ["LeastSquaresTerm", "GaussNewton", "residual_jacobian", "least_squares_loss"]
+
+
+class LeastSquaresTerm(NamedTuple):
+    """Mean-square terms of a loss: ``sum_c weight_c * mean_i(fn(points)[i, c]**2)``.
+
+    ``fn`` maps points ``(n, d)`` to residuals ``(n,)`` or ``(n, k)``, acts on each point
+    separately, and reads the parameters of the optimizer's model (it may close over the
+    model). ``weight`` is a number, or one per component ``c`` (a sequence of ``k``): a
+    problem's loss terms ``w_c * mean(r_c**2)`` over the same points become one term, whose
+    Jacobian rows come from one pass. Targets ride along as extra columns of ``points``."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    points: torch.Tensor
+    weight: float | Sequence[float] = 1.0
+
+
+def _weights(term: LeastSquaresTerm, like: torch.Tensor) -> torch.Tensor:
+    w = torch.as_tensor(term.weight, dtype=like.dtype, device=like.device)
+    if w.dim() > 1 or (w.dim() == 1 and (like.dim() != 2 or w.numel() != like.shape[1])):
+        raise ValueError(f"LeastSquaresTerm: {w.numel()} weights for residuals of shape "
+                         f"{tuple(like.shape)}; give one weight, or one per component")
+    if not bool((w >= 0).all()):
+        raise ValueError(f"LeastSquaresTerm: weights must be >= 0, got {term.weight}")
+    return w
+
+
+def least_squares_loss(terms: Sequence[LeastSquaresTerm]) -> torch.Tensor:
+    """``sum_k sum_c weight_kc * mean_i(fn_k(points_k)[i, c]**2)``: the loss the terms
+    define."""
+    total = None
+    for t in terms:
+        r = t.fn(t.points)
+        v = (r.pow(2).mean(0) * _weights(t, r)).sum()
+        total = v if total is None else total + v
+    if total is None:
+        raise ValueError("least_squares_loss needs at least one term")
+    return total
+
+
+class _Bound(torch.nn.Module):
+    """``fn`` as the forward of a module holding ``model``, so ``functional_call`` substitutes
+    the model's parameters while ``fn`` runs."""
+
+    def __init__(self, model: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def _scale(term: LeastSquaresTerm) -> tuple[torch.Tensor, int]:
+    """``sqrt(weight_c / n)`` (a scalar or ``(k,)``) and the components ``k`` per point."""
+    if term.points.dim() != 2 or term.points.shape[0] == 0:
+        raise ValueError(f"LeastSquaresTerm: points must be (n, d) with n > 0, got shape "
+                         f"{tuple(term.points.shape)}")
+    with torch.no_grad():
+        one = term.fn(term.points[:1])
+    w = _weights(term, one)
+    return (w / term.points.shape[0]).sqrt(), max(int(one.numel()), 1)
+
+
+class _Residuals:
+    """The scaled residual vector of a list of terms as a function of a flat parameter
+    vector, by chunks of points."""
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter],
+                 terms: Sequence[LeastSquaresTerm]):
+        by_id = {id(p): p for p in params}
+        self.names = [n for n, p in model.named_parameters() if id(p) in by_id]
+        if len(self.names) != len(params):
+            raise ValueError("GaussNewton: the parameters must be parameters of the model "
+                             "(model.named_parameters())")
+        named = dict(model.named_parameters())
+        self.shapes = [named[n].shape for n in self.names]
+        self.sizes = [named[n].numel() for n in self.names]
+        self.terms = list(terms)
+        if not self.terms:
+            raise ValueError("GaussNewton: the problem gave no least-squares terms")
+        scales = [_scale(t) for t in self.terms]
+        self.scales = [s for s, _ in scales]
+        self.components = [k for _, k in scales]
+        self.bound = [_Bound(model, t.fn) for t in self.terms]
+
+    def unflatten(self, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, shape, part in zip(self.names, self.shapes,
+                                     torch.split(theta, self.sizes), strict=True):
+            out["model." + name] = part.view(shape)
+        return out
+
+    def chunks(self, rows: int):
+        """``(term index, points chunk)`` over all terms."""
+        for k, t in enumerate(self.terms):
+            n = int(t.points.shape[0])
+            for a in range(0, n, rows):
+                yield k, t.points[a:a + rows]
+
+    def values(self, k: int, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Scaled residuals of term ``k`` at points ``x``, flattened."""
+        r = functional_call(self.bound[k], self.unflatten(theta), (x,))
+        return (r * self.scales[k]).reshape(-1)
+
+    def jacobian(self, k: int, theta: torch.Tensor, x: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scaled residuals ``(m,)`` and their Jacobian ``(m, P)`` at points ``x``: ``vmap``
+        over the points of ``jacrev`` of one point's residual."""
+
+        def one(th, xi):
+            r = self.values(k, th, xi.unsqueeze(0))
+            return r, r
+
+        jac, r = vmap(jacrev(one, has_aux=True), in_dims=(None, 0))(theta, x)
+        return r.reshape(-1), jac.reshape(-1, theta.numel())
+
+
+def residual_jacobian(model: torch.nn.Module, terms: Sequence[LeastSquaresTerm],
+                      params: Sequence[torch.nn.Parameter] | None = None,
+                      chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The scaled residual vector :math:`\tilde r` ``(M,)`` of ``terms`` and its Jacobian
+    ``(M, P)`` with respect to ``params`` (default: all of ``model``'s parameters, in
+    ``named_parameters`` order, flattened and concatenated), computed ``chunk_rows`` points
+    at a time (``None``: all at once). :math:`\|\tilde r\|^2` is
+    :func:`least_squares_loss` of the terms."""
+    params = list(model.parameters()) if params is None else list(params)
+    res = _Residuals(model, params, terms)
+    theta = torch.cat([p.detach().reshape(-1) for p in params])
+    rows = chunk_rows or max(int(t.points.shape[0]) for t in terms)
+    rs, js = [], []
+    for k, x in res.chunks(rows):
+        r, j = res.jacobian(k, theta, x)
+        rs.append(r)
+        js.append(j)
+    return torch.cat(rs), torch.cat(js)
+
+
+class GaussNewton(torch.optim.Optimizer):
+    """Levenberg–Marquardt on the residual vector of ``terms()`` (see the module docstring).
+
+    Args:
+        params: the trainable parameters, all of them parameters of ``model``.
+        model: the module the residual functions read.
+        terms: returns the current :class:`LeastSquaresTerm` list (called at every step, so
+            the points may change between steps).
+        max_iter: Gauss–Newton iterations per ``step``.
+        damping: initial :math:`\\tau` (:math:`\\mu_0 = \\tau \\max_j (J^\\top J)_{jj}`).
+        max_tries: damped solves per iteration before it gives up (parameters unchanged).
+        min_damping, max_damping: bounds on :math:`\\mu`.
+        dense_max: largest parameter count for the dense normal equations; beyond, CG.
+        cg_iters, cg_tol: conjugate-gradient iterations and relative tolerance.
+        chunk_rows: points per Jacobian chunk; ``None``: from ``budget``.
+        budget: bytes (or a budget string) one chunk's Jacobian may take; ``None``: the
+            chunk holds at most ``2**25`` values (256 MiB in float64).
+        check_rtol: relative tolerance of the first-step check that the terms' loss equals
+            the closure's (``None``: no check).
+    """
+
+    needs_closure = True
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], model: torch.nn.Module,
+                 terms: Callable[[], Sequence[LeastSquaresTerm]], max_iter: int = 1,
+                 damping: float = 1e-3, max_tries: int = 30, min_damping: float = 1e-14,
+                 max_damping: float = 1e14, dense_max: int = 8000, cg_iters: int = 200,
+                 cg_tol: float = 1e-10, chunk_rows: int | None = None,
+                 budget: int | float | str | None = None,
+                 check_rtol: float | None = 1e-8):
+        params = list(params)
+        super().__init__(params, {"lr": 1.0})
+        if int(max_iter) < 1:
+            raise ValueError(f"GaussNewton: max_iter must be >= 1, got {max_iter}")
+        if not float(damping) > 0:
+            raise ValueError(f"GaussNewton: damping must be > 0, got {damping}")
+        self.model = model
+        self.terms = terms
+        self.max_iter = int(max_iter)
+        self.tau = float(damping)
+        self.max_tries = int(max_tries)
+        self.min_damping, self.max_damping = float(min_damping), float(max_damping)
+        self.dense_max = int(dense_max)
+        self.cg_iters, self.cg_tol = int(cg_iters), float(cg_tol)
+        self.chunk_rows = None if chunk_rows is None else int(chunk_rows)
+        self.budget = None if budget in (None, "") else parse_budget(budget)
+        self.check_rtol = check_rtol
+        self._params = params
+        st = self.state[params[0]]
+        st.update(mu=0.0, nu=2.0, n_iter=0, rejected=0, failed=0, checked=False)
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self._params)
+
+    def rows(self, res: _Residuals) -> int:
+        """Points per chunk: ``chunk_rows``, or from the budget at ``3 P k`` values a point."""
+        if self.chunk_rows is not None:
+            return max(self.chunk_rows, 1)
+        item = self._params[0].element_size()
+        cap = self.budget if self.budget is not None else 2**25 * item
+        per_row = 3 * self.n_params * item * max(res.components)
+        return max(int(cap // per_row), 1)
+
+    def _theta(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self._params])
+
+    def _set(self, theta: torch.Tensor) -> None:
+        with torch.no_grad():
+            for p, part in zip(self._params, torch.split(theta, [p.numel() for p in
+                                                                self._params]), strict=True):
+                p.copy_(part.view_as(p))
+
+    def _loss(self, res: _Residuals, theta: torch.Tensor, rows: int) -> float:
+        with torch.no_grad():
+            total = theta.new_zeros(())
+            for k, x in res.chunks(rows):
+                total += res.values(k, theta, x).pow(2).sum()
+        return float(total)
+
+    def _normal(self, res: _Residuals, theta: torch.Tensor, rows: int):
+        """``A = J^T J``, ``g = J^T r`` and ``L = |r|^2``, accumulated over chunks."""
+        P = theta.numel()
+        A = theta.new_zeros(P, P)
+        g = theta.new_zeros(P)
+        L = theta.new_zeros(())
+        for k, x in res.chunks(rows):
+            r, j = res.jacobian(k, theta, x)
+            A.addmm_(j.T, j)
+            g.addmv_(j.T, r)
+            L += r.pow(2).sum()
+        return A, g, float(L)
+
+    def _jv(self, res, theta, v, rows):
+        out = []
+        for k, x in res.chunks(rows):
+            out.append(jvp(lambda th, k=k, x=x: res.values(k, theta=th, x=x), (theta,),
+                           (v,))[1])
+        return torch.cat(out)
+
+    def _jtu(self, res, theta, u, rows):
+        g = torch.zeros_like(theta)
+        a = 0
+        for k, x in res.chunks(rows):
+            r, pull = vjp(lambda th, k=k, x=x: res.values(k, th, x), theta)[:2]
+            g += pull(u[a:a + r.numel()])[0]
+            a += r.numel()
+        return g
+
+    def _cg(self, op: Callable[[torch.Tensor], torch.Tensor], b: torch.Tensor) -> torch.Tensor:
+        x = torch.zeros_like(b)
+        r = b.clone()
+        p = r.clone()
+        rr = float(r @ r)
+        stop = self.cg_tol ** 2 * rr
+        for _ in range(self.cg_iters):
+            if rr <= stop:
+                break
+            Ap = op(p)
+            alpha = rr / float(p @ Ap)
+            x.add_(p, alpha=alpha)
+            r.sub_(Ap, alpha=alpha)
+            new = float(r @ r)
+            p.mul_(new / rr).add_(r)
+            rr = new
+        return x
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], torch.Tensor]):  # type: ignore[override]
+        if closure is None:
+            raise ValueError("GaussNewton.step needs a closure that returns the loss after "
+                             "calling backward()")
+        st = self.state[self._params[0]]
+        res = _Residuals(self.model, self._params, self.terms())
+        rows = self.rows(res)
+        theta = self._theta()
+        if self.check_rtol is not None and not st["checked"]:
+            with torch.enable_grad():
+                want = float(closure().detach())
+            got = self._loss(res, theta, rows)
+            if not abs(got - want) <= self.check_rtol * max(abs(want), 1e-300):
+                raise ValueError(f"GaussNewton: the least-squares terms give the loss {got!r} "
+                                 f"but the problem's loss is {want!r}: the terms must be the "
+                                 "problem's loss terms (weight * mean(residual**2))")
+            st["checked"] = True
+        dense = theta.numel() <= self.dense_max
+        for _ in range(self.max_iter):
+            if dense:
+                A, g, L = self._normal(res, theta, rows)
+                diag = A.diagonal()
+            else:
+                r0 = torch.cat([res.values(k, theta, x).detach() for k, x in res.chunks(rows)])
+                g = self._jtu(res, theta, r0, rows)
+                L = float(r0 @ r0)
+                diag = None
+            if not math.isfinite(L):
+                raise FloatingPointError(f"GaussNewton: the loss is {L} at the start of an "
+                                         "iteration")
+            if st["mu"] <= 0:
+                scale = float(diag.max()) if diag is not None else float(g.abs().max())
+                st["mu"] = min(max(self.tau * scale, self.min_damping), self.max_damping)
+            accepted = False
+            for _ in range(self.max_tries):
+                mu = st["mu"]
+                if dense:
+                    assert diag is not None
+                    chol, info = torch.linalg.cholesky_ex(
+                        A + mu * torch.eye(A.shape[0], dtype=A.dtype, device=A.device))
+                    if int(info) != 0:
+                        st["mu"], st["nu"] = min(mu * st["nu"], self.max_damping), st["nu"] * 2
+                        continue
+                    delta = torch.cholesky_solve(-g.unsqueeze(1), chol).squeeze(1)
+                    pred = -float(2 * (delta @ g) + delta @ (A @ delta))
+                else:
+                    def op(v, mu=mu, th=theta):
+                        return self._jtu(res, th, self._jv(res, th, v, rows), rows) + mu * v
+
+                    delta = self._cg(op, -g)
+                    jd = self._jv(res, theta, delta, rows)
+                    pred = -float(2 * (delta @ g) + jd @ jd)
+                new = self._loss(res, theta + delta, rows)
+                rho = (L - new) / pred if pred > 0 else -1.0
+                if math.isfinite(new) and rho > 0:
+                    theta = theta + delta
+                    st["mu"] = max(mu * max(1 / 3, 1 - (2 * rho - 1) ** 3), self.min_damping)
+                    st["nu"] = 2.0
+                    accepted = True
+                    break
+                st["rejected"] += 1
+                st["mu"], st["nu"] = min(mu * st["nu"], self.max_damping), st["nu"] * 2
+                if st["mu"] >= self.max_damping:
+                    break
+            st["n_iter"] += 1
+            if not accepted:
+                st["failed"] += 1
+                st["mu"] = min(st["mu"], self.max_damping)
+                break
+        self._set(theta)
+        with torch.enable_grad():
+            return closure()
+
+    # ---- restart state -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict()
+
+    @property
+    def damping_now(self) -> float:
+        """The current :math:`\\mu`."""
+        return float(self.state[self._params[0]]["mu"])
