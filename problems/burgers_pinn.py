@@ -31,7 +31,7 @@ nodes to about 1e-12 on the evaluation grid. No file is downloaded.
 Model and loss
 --------------
 ``ctx.model``: a ``tanh`` network :math:`N(x, t)` with ``depth`` hidden layers of ``width``
-units (Raissi: 8 × 20), inputs mapped to :math:`[-1, 1]^2`. With ``constraints = "hard"``
+units (default 4 × 20, 1341 parameters; Raissi: 8 × 20), inputs mapped to :math:`[-1, 1]^2`. With ``constraints = "hard"``
 (the default) the solution is the ansatz
 
 .. math::
@@ -44,25 +44,35 @@ the residual. With ``constraints = "soft"`` (Raissi's setting) :math:`u = N` and
 and boundary values are loss terms. Loss terms:
 
 * ``pde`` — mean square of :math:`u_t + u u_x - \nu u_{xx}` at ``n_collocation`` points
-  (Latin hypercube as in Raissi, ``sampling``), chunked under ``residual_budget`` (or else
-  the run's ``budget``) when one is set;
+  (Latin hypercube as in Raissi, ``sampling``; every ``rad_every`` iterations redrawn by RAD
+  from ``rad_pool`` uniform candidates with probability :math:`\propto |r|^k/\overline{|r|^k}
+  + c`, ``rad_k``, ``rad_c``: :meth:`deepsolve.pinn.Collocation.redistribute`), chunked
+  under ``residual_budget`` (or else the run's ``budget``) when one is set;
 * ``initial``, ``boundary`` (soft constraints only) — mean squared misfit of :math:`u` on the
   initial/boundary points of a random subset of ``n_data`` points (seeded) of Raissi's data
   locations: the 256 grid points at :math:`t = 0` and 100 times at each of :math:`x = \pm 1`.
 
-Optimiser: ``adam_iterations`` Adam steps (float32), then L-BFGS in float64 from
-``switch_at`` (strong Wolfe, ``lbfgs_iters`` inner iterations per trainer iteration;
-:class:`deepsolve.pinn.AdamLBFGS`). Raissi et al. used L-BFGS only (``optimizer=lbfgs``).
+Optimiser (``optimizer``): ``"ssbroyden"`` (default) — full-memory self-scaled Broyden in
+float64 with a strong-Wolfe line search, ``qn_iters`` iterations per trainer iteration
+(:class:`deepsolve.pinn.SelfScaledBroyden`; Urbán, Stefanou & Pons 2025, whose Burgers set-up
+— a small network, RAD every 500 quasi-Newton iterations — this follows); ``"bfgs"``
+(SSBFGS, or plain BFGS with ``self_scaled = false``); ``"gauss_newton"`` —
+Levenberg–Marquardt on the residual vector (:class:`deepsolve.pinn.GaussNewton`,
+:meth:`BurgersPINN.least_squares_terms`; ``gn_iters``, ``gn_damping``, the Jacobian chunked
+under ``jacobian_budget`` or the run's ``budget``); each optionally after ``warmup`` Adam
+steps. ``"adam+lbfgs"``: ``adam_iterations`` Adam steps, then L-BFGS (strong Wolfe,
+``lbfgs_iters`` inner iterations per trainer iteration; :class:`deepsolve.pinn.AdamLBFGS`),
+the run switching to ``switch_dtype`` at ``switch_at``. Raissi et al. used L-BFGS only
+(``optimizer=lbfgs``).
 
 Metrics (``evaluate``)
 ----------------------
 ``u_rel_l2`` — :math:`\|u_\theta - u\|_2 / \|u\|_2` on Raissi's evaluation grid (256 points
 in :math:`x` × 100 times in :math:`[0, 0.99]`); ``u_max_error`` — the largest absolute error
 there. Raissi et al. report 6.7e-4 (soft constraints, up to 50000 L-BFGS iterations). The
-defaults (1000 Adam steps, then 150 L-BFGS steps of 50 iterations in float64) reach
-``u_rel_l2`` below 1e-3 after 80 L-BFGS steps and 4.6e-4 at the end; docs/pinn.md lists the
-measured times (24.7 min on the loaded 2-core CPU). The earlier soft-constraint defaults
-reached 1.0e-2 after 45 min.
+defaults reach ``u_rel_l2`` below 1e-5 in about 2 minutes and about 1e-6 at best
+(docs/pinn.md, "Second-order optimisers", lists the measured runs: 2-core CPU, two
+threads). The earlier defaults (8 × 20, Adam then L-BFGS) reached 4.6e-4 after 24.7 min.
 """
 
 from __future__ import annotations
@@ -136,14 +146,14 @@ class HardConstrained(torch.nn.Module):
 class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
     defaults = {
         # trainer
-        "iterations": 2000,        # total trainer iterations (warm-up + second-order steps)
+        "iterations": 1200,        # total trainer iterations (warm-up + second-order steps)
         "lr": 1e-3,                # Adam learning rate (warm-up, "adam+lbfgs", "adam")
         "eval_every": 10,
         "checkpoint_every": 100,
         "dtype": "float64",        # precision of the run (of its first phase with switch_at)
         # optimiser
-        "optimizer": "gauss_newton",  # "gauss_newton", "ssbroyden", "bfgs", "adam+lbfgs",
-                                      # "adam" or "lbfgs"
+        "optimizer": "ssbroyden",  # "ssbroyden", "bfgs", "gauss_newton", "adam+lbfgs",
+                                   # "adam" or "lbfgs"
         "warmup": 0,               # Adam steps before a second-order optimizer
         "gn_iters": 1,             # Gauss-Newton iterations per trainer iteration
         "gn_damping": 1e-3,        # initial Levenberg-Marquardt damping (relative)
@@ -171,7 +181,7 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
         "rar_every": 0,
         "rar_pool": 50000,
         "rar_add": 200,
-        "rad_every": 50,           # RAD: redraw the set from the residual every this many (0 off)
+        "rad_every": 25,           # RAD: redraw the set from the residual every this many (0 off)
         "rad_pool": 50000,
         "rad_k": 1.0,
         "rad_c": 1.0,

@@ -223,7 +223,9 @@ class AdamWarmup(torch.optim.Optimizer):
     Every step takes the trainer's closure; the phase follows the optimizer's own step count
     (in its ``state_dict`` with both optimizers' states), so a resumed run continues in the
     right phase. ``on_step(k)`` is called before step ``k`` (a precision switch goes there:
-    ``second`` builds its state, in the parameters' dtype, at its first step).
+    ``second`` builds its state, in the parameters' dtype, at its first step); when it
+    returns True in the second phase, ``second.reset()`` (if it has one) drops the
+    curvature it gathered, as :class:`AdamLBFGS` clears its memory.
     ``param_groups[0]["lr"]`` shows Adam's learning rate during the warm-up and 1 after.
 
     Args:
@@ -263,8 +265,9 @@ class AdamWarmup(torch.optim.Optimizer):
         if closure is None:
             raise ValueError("AdamWarmup.step needs a closure that returns the loss after "
                              "calling backward()")
-        if self.on_step is not None:
-            self.on_step(self.steps_taken)
+        if (self.on_step is not None and self.on_step(self.steps_taken)
+                and self.phase == "second" and hasattr(self.second, "reset")):
+            self.second.reset()   # the objective changed: forget the curvature
         loss: Any
         if self.phase == "adam":
             with torch.enable_grad():

@@ -157,6 +157,11 @@ class SelfScaledBroyden(torch.optim.Optimizer):
         self.tolerance_grad = float(tolerance_grad)
         self.state[self._params[0]].update(n_iter=0, skipped=0, failed_ls=0)
 
+    def reset(self) -> None:
+        """Forget the inverse-Hessian approximation: the next step starts from the
+        (scaled) identity."""
+        self.state[self._params[0]].pop("H", None)
+
     def _flat_grad(self) -> torch.Tensor:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self._params])

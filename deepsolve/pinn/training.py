@@ -79,9 +79,10 @@ class AdamLBFGSTraining:
 
     def collocation_iteration(self, ctx, iteration: int) -> int:
         """The iteration whose collocation set ``iteration`` uses: its own during Adam and
-        Gauss–Newton (whose steps need no fixed objective), the last Adam set during L-BFGS
-        and the other quasi-Newton methods (one fixed objective)."""
-        if self.adam_phase(ctx, iteration) or self._optimizer_name(ctx) == "gauss_newton":
+        the second-order methods (Gauss–Newton builds its curvature at every step; the
+        quasi-Newton matrix is carried across a redrawn set, as Urbán et al. 2025 do with
+        RAD), the last Adam set during L-BFGS (one fixed objective)."""
+        if self.adam_phase(ctx, iteration) or self._optimizer_name(ctx) in SECOND_ORDER:
             return iteration
         return max(self.lbfgs_start(ctx) - 1, 0)
 
@@ -94,7 +95,6 @@ class AdamLBFGSTraining:
 
     def on_step(self, ctx, iteration: int) -> bool:
         """Called by the optimiser before every step; ``True`` resets the L-BFGS memory."""
-        ctx.data["_iteration"] = int(iteration)
         return self.switch_precision_at(ctx, iteration)
 
     def least_squares_terms(self, ctx, iteration: int) -> list[LeastSquaresTerm]:
@@ -116,11 +116,12 @@ class AdamLBFGSTraining:
                              on_step=lambda k: self.on_step(ctx, k))
         params = list(params)
         second: torch.optim.Optimizer
+        outer: list[AdamWarmup] = []   # the iteration is the outer optimizer's step count
         if name == "gauss_newton":
             budget = str(getattr(cfg, "jacobian_budget", "") or getattr(cfg, "budget", "") or "")
             second = GaussNewton(
                 params, ctx.model,
-                lambda: self.least_squares_terms(ctx, int(ctx.data.get("_iteration", 0))),
+                lambda: self.least_squares_terms(ctx, outer[0].steps_taken),
                 max_iter=int(getattr(cfg, "gn_iters", 1)),
                 damping=float(getattr(cfg, "gn_damping", 1e-3)),
                 budget=budget or None)
@@ -128,8 +129,9 @@ class AdamLBFGSTraining:
             second = SelfScaledBroyden(params, method="ssbroyden" if name == "ssbroyden"
                                        else "ssbfgs" if getattr(cfg, "self_scaled", True)
                                        else "bfgs", max_iter=int(getattr(cfg, "qn_iters", 20)))
-        return AdamWarmup(params, second, warmup=self.lbfgs_start(ctx), adam_lr=float(cfg.lr),
-                          on_step=lambda k: self.on_step(ctx, k))
+        outer.append(AdamWarmup(params, second, warmup=self.lbfgs_start(ctx),
+                                adam_lr=float(cfg.lr), on_step=lambda k: self.on_step(ctx, k)))
+        return outer[0]
 
     def weights(self, ctx):
         return ctx.data["weights"]
