@@ -31,8 +31,8 @@ nodes to about 1e-12 on the evaluation grid. No file is downloaded.
 Model and loss
 --------------
 ``ctx.model``: a ``tanh`` network :math:`N(x, t)` with ``depth`` hidden layers of ``width``
-units (default 4 × 20, 1341 parameters; Raissi: 8 × 20), inputs mapped to :math:`[-1, 1]^2`. With ``constraints = "hard"``
-(the default) the solution is the ansatz
+units (default 4 × 20, 1341 parameters; Raissi: 8 × 20), inputs mapped to
+:math:`[-1, 1]^2`. With ``constraints = "hard"`` (the default) the solution is the ansatz
 
 .. math::
 

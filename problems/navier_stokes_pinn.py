@@ -27,8 +27,9 @@ exact :math:`u, v` are imposed on the whole boundary and :math:`p` on the outflo
 Model and loss
 --------------
 ``ctx.model`` is a fully connected ``tanh`` network :math:`(x, y) \mapsto (u, v, p)` with
-``depth`` hidden layers of ``width`` units (default 4×50, Glorot-normal weights, zero
-biases; :class:`deepsolve.pinn.FNN`). The derivatives come from :func:`deepsolve.pinn.jet`
+``depth`` hidden layers of ``width`` units (default 4×30, 2973 parameters, float64;
+DeepXDE's example: 4×50; Glorot-normal weights, zero biases; :class:`deepsolve.pinn.FNN`).
+The derivatives come from :func:`deepsolve.pinn.jet`
 (``derivatives = "taylor"``: value, gradient and :math:`\partial_{xx}, \partial_{yy}` pushed
 through the layers in one pass; ``"func"``: ``torch.func`` forward-over-forward;
 ``"autograd"``: ``torch.autograd.grad``). ``compile = true`` compiles the residual with
@@ -48,14 +49,20 @@ boundary weights by learning-rate annealing during the Adam phase
 the Adam phase; ``rar_every`` > 0 adds ``rar_add`` points of largest residual from a pool of
 ``rar_pool`` every that many Adam iterations.
 
-Optimiser: ``adam_iterations`` Adam steps (``lr``), then L-BFGS (strong Wolfe), each trainer
-iteration one L-BFGS step of up to ``lbfgs_iters`` inner iterations
-(:class:`deepsolve.pinn.AdamLBFGS`); ``iterations`` is the total number of trainer iterations.
-From iteration ``switch_at`` on (default: when L-BFGS starts) the run is in ``switch_dtype``
-(float64): it starts in ``dtype`` (float32, fast for Adam) and casts model and data then
+Optimiser (``optimizer``): ``"ssbroyden"`` (default) — full-memory self-scaled Broyden in
+float64 with a strong-Wolfe line search, ``qn_iters`` iterations per trainer iteration
+(:class:`deepsolve.pinn.SelfScaledBroyden`); ``"bfgs"`` (SSBFGS; plain BFGS with
+``self_scaled = false``); ``"gauss_newton"`` — Levenberg–Marquardt on the three residual
+vectors of :meth:`KovasznayPINN.least_squares_terms` (:class:`deepsolve.pinn.GaussNewton`;
+``gn_iters``, ``gn_damping``, ``jacobian_budget``); each after ``warmup`` Adam steps (default
+none). ``"adam+lbfgs"`` (the earlier default): ``adam_iterations`` Adam steps (``lr``), then
+L-BFGS (strong Wolfe), each trainer iteration one L-BFGS step of up to ``lbfgs_iters`` inner
+iterations (:class:`deepsolve.pinn.AdamLBFGS`). ``iterations`` is the total number of
+trainer iterations. From iteration ``switch_at`` on (-1: never) the run is in
+``switch_dtype``: a run can start in float32 (fast for Adam) and cast model and data then
 (:func:`deepsolve.pinn.switch_precision`, called by the optimizer between steps), because in
-float32 the L-BFGS line search stalls at a loss of about 1e-5 (round-off in the residual).
-The restart file records the switch.
+float32 a line search stalls at a loss of about 1e-5 (round-off in the residual). The
+restart file records the switch.
 
 Metrics (``evaluate``)
 ----------------------
@@ -66,7 +73,8 @@ also ``weight_bc_u``, ``weight_bc_v``, ``weight_bc_p``.
 
 Reference: DeepXDE's example reaches :math:`u`: 2.3e-4, :math:`v`: 1.1e-3, :math:`p`: 4.9e-4
 after 30000 Adam and up to 15000 L-BFGS iterations; docs/pinn.md compares the two on the
-same machine (``benchmarks/pinn_deepxde.py``) and lists the measured errors and times.
+same machine (``benchmarks/pinn_deepxde.py``). The SSBroyden defaults reach :math:`u, v, p`
+errors below 1e-6, 1e-5, 1e-5 in about 7 minutes on the 2-core CPU (docs/pinn.md).
 """
 
 from __future__ import annotations
@@ -109,14 +117,14 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
 
     defaults = {
         # trainer
-        "iterations": 2300,        # total trainer iterations: adam_iterations + L-BFGS steps
+        "iterations": 400,         # total trainer iterations (warm-up + second-order steps)
         "lr": 1e-3,                # Adam learning rate
         "eval_every": 10,
         "checkpoint_every": 100,
-        "dtype": "float32",        # precision of the Adam phase
+        "dtype": "float64",        # precision of the run (of its first phase with switch_at)
         # optimiser
-        "optimizer": "adam+lbfgs",  # "gauss_newton", "ssbroyden", "bfgs", "adam+lbfgs",
-                                    # "adam" or "lbfgs"
+        "optimizer": "ssbroyden",  # "ssbroyden", "bfgs", "gauss_newton", "adam+lbfgs",
+                                   # "adam" or "lbfgs"
         "warmup": 0,               # Adam steps before a second-order optimizer
         "gn_iters": 1,             # Gauss-Newton iterations per trainer iteration
         "gn_damping": 1e-3,        # initial Levenberg-Marquardt damping (relative)
@@ -126,12 +134,12 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
         "adam_iterations": 2000,   # "adam+lbfgs": Adam steps before L-BFGS takes over
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
-        "switch_at": 2100,         # iteration from which the run is in switch_dtype (-1 never)
+        "switch_at": -1,           # iteration from which the run is in switch_dtype (-1 never)
         "switch_dtype": "float64",
         # physics
         "re": 20.0,
         # network
-        "width": 50,
+        "width": 30,
         "depth": 4,
         "derivatives": "taylor",   # "taylor" (one pass), "func" (torch.func) or "autograd"
         "compile": True,           # torch.compile the residual

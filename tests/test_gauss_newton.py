@@ -224,3 +224,21 @@ def test_bad_input_errors():
     bad = [LeastSquaresTerm(lambda p: model(p).unsqueeze(1).repeat(1, 2), x, (1.0, 2.0, 3.0))]
     with pytest.raises(ValueError, match="3 weights for residuals of shape"):
         least_squares_loss(bad)
+
+
+def test_runs_under_saved_tensor_hooks_and_restores_them():
+    """A memory meter's saved-tensor hooks are active (a run with --budget): the Jacobian
+    (torch.func.jacrev) runs with them suspended, and they are back afterwards."""
+    from deepsolve.pinn.chunked import SavedBytes
+
+    model, terms, error = poisson_pinn()
+    opt = GaussNewton(model.parameters(), model, terms)
+    closure = closure_for(opt, terms)
+    with SavedBytes() as meter:
+        for _ in range(5):
+            opt.step(closure)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        assert hooks is not None                       # the meter's hooks are still there
+    assert meter.peak > 0                              # and saw the closure's backward
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert error() < 0.1

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from deepsolve.io.h5log import read_log
+from deepsolve.pinn import OPTIMIZERS
 from deepsolve.problem import Context, apply_overrides, load_problem
 from deepsolve.train import train
 
@@ -104,7 +105,8 @@ def test_kovasznay_solution_solves_navier_stokes():
 # ----------------------------------------------------------------------------- problems
 
 TINY_NS = ["n_interior=64", "n_boundary=40", "width=8", "depth=2", "test_grid=11",
-           "compile=false", "adam_iterations=3", "lbfgs_iters=3", "eval_every=2"]
+           "compile=false", "adam_iterations=3", "lbfgs_iters=3", "eval_every=2",
+           "optimizer=adam+lbfgs", "dtype=float32", "switch_at=1000"]
 TINY_BURGERS = ["n_collocation=64", "n_data=30", "width=8", "depth=2", "adam_iterations=3",
                 "lbfgs_iters=3", "eval_every=2", "quad_nodes=60", "compile=false",
                 "constraints=soft", "optimizer=adam+lbfgs", "dtype=float32",
@@ -123,7 +125,7 @@ def test_defaults_and_documented_keys(path, tiny, terms, metrics):
     for key in ("iterations", "adam_iterations", "lbfgs_iters", "derivatives", "weighting",
                 "sampling", "residual_budget", "resample_every", "rar_every"):
         assert key in cfg
-    assert cfg["iterations"] > cfg["adam_iterations"]
+    assert cfg["optimizer"] in OPTIMIZERS and cfg["iterations"] > cfg["warmup"]
     assert set(mod.TERMS) == terms and set(mod.METRICS) == metrics
     doc = mod.__doc__
     for name in terms | metrics:

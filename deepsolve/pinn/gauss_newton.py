@@ -53,8 +53,9 @@ PINN losses); Jnini, Vella & Zeinhofer, arXiv 2402.10680 (2024).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -100,6 +101,23 @@ def least_squares_loss(terms: Sequence[LeastSquaresTerm]) -> torch.Tensor:
     if total is None:
         raise ValueError("least_squares_loss needs at least one term")
     return total
+
+
+@contextlib.contextmanager
+def _no_saved_tensor_hooks() -> Iterator[None]:
+    """Suspend the active saved-tensor hooks (``torch.func``'s reverse transforms refuse to
+    run under them; deepsolve's CPU memory meter installs some): popped here, pushed back in
+    order afterwards. What the Jacobian holds is then not in the meter's count, but in the
+    process's real peak (RSS), which the trainer logs as well."""
+    stack = []
+    while (top := torch._C._autograd._top_saved_tensors_default_hooks(False)) is not None:
+        stack.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 class _Bound(torch.nn.Module):
@@ -193,10 +211,11 @@ def residual_jacobian(model: torch.nn.Module, terms: Sequence[LeastSquaresTerm],
     theta = torch.cat([p.detach().reshape(-1) for p in params])
     rows = chunk_rows or max(int(t.points.shape[0]) for t in terms)
     rs, js = [], []
-    for k, x in res.chunks(rows):
-        r, j = res.jacobian(k, theta, x)
-        rs.append(r)
-        js.append(j)
+    with _no_saved_tensor_hooks():
+        for k, x in res.chunks(rows):
+            r, j = res.jacobian(k, theta, x)
+            rs.append(r)
+            js.append(j)
     return torch.cat(rs), torch.cat(js)
 
 
@@ -348,6 +367,15 @@ class GaussNewton(torch.optim.Optimizer):
                                  f"but the problem's loss is {want!r}: the terms must be the "
                                  "problem's loss terms (weight * mean(residual**2))")
             st["checked"] = True
+        with _no_saved_tensor_hooks():
+            theta = self._iterate(res, rows, theta, st)
+        self._set(theta)
+        with torch.enable_grad():
+            return closure()
+
+    def _iterate(self, res: _Residuals, rows: int, theta: torch.Tensor,
+                 st: dict) -> torch.Tensor:
+        """``max_iter`` damped Gauss–Newton iterations from ``theta``; the new ``theta``."""
         dense = theta.numel() <= self.dense_max
         for _ in range(self.max_iter):
             if dense:
@@ -400,9 +428,7 @@ class GaussNewton(torch.optim.Optimizer):
                 st["failed"] += 1
                 st["mu"] = min(st["mu"], self.max_damping)
                 break
-        self._set(theta)
-        with torch.enable_grad():
-            return closure()
+        return theta
 
     # ---- restart state -----------------------------------------------------------------
 

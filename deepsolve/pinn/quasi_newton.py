@@ -16,7 +16,7 @@ search) gives :math:`s_k = \alpha_k d_k`, :math:`y_k = g_{k+1} - g_k`, and with
     a_k = b_k h_k - 1,\quad
     v_k = \rho_k s_k - \frac{H_k y_k}{y_k^\top H_k y_k},
 
-the update of the self-scaled Broyden family (Al-Baali 1998; Urbán et al. eq. 12) is
+the update of the self-scaled Broyden family (Al-Baali 1998; Urbán et al. 2025) is
 
 .. math::
 
