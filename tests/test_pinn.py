@@ -629,18 +629,27 @@ def _mixin_ctx(**cfg):
     return SimpleNamespace(cfg=SimpleNamespace(**base), model=model, data=data)
 
 
-@pytest.mark.parametrize("name,start,used", [("adam+lbfgs", 4, [0, 1, 2, 3, 3, 3]),
-                                             ("adam", 2**62, [0, 1, 2, 3, 4, 5]),
-                                             ("lbfgs", 0, [0, 0, 0, 0, 0, 0])])
-def test_training_mixin_phases_and_point_sets(name, start, used):
+@pytest.mark.parametrize("name,start,used,cls,second", [
+    ("adam+lbfgs", 4, [0, 1, 2, 3, 3, 3], P.AdamLBFGS, None),
+    ("adam", 2**62, [0, 1, 2, 3, 4, 5], P.AdamLBFGS, None),
+    ("lbfgs", 0, [0, 0, 0, 0, 0, 0], P.AdamLBFGS, None),
+    ("ssbroyden", 2, [0, 1, 2, 3, 4, 5], P.AdamWarmup, P.SelfScaledBroyden),
+    ("bfgs", 2, [0, 1, 2, 3, 4, 5], P.AdamWarmup, P.SelfScaledBroyden),
+    ("gauss_newton", 2, [0, 1, 2, 3, 4, 5], P.AdamWarmup, P.GaussNewton),
+])
+def test_training_mixin_phases_and_point_sets(name, start, used, cls, second):
+    """The phases, which point set each iteration uses (L-BFGS keeps the last Adam set; the
+    second-order methods may take new ones), and the optimizer built for each name."""
     mix = P.AdamLBFGSTraining()
-    ctx = _mixin_ctx(optimizer=name)
+    ctx = _mixin_ctx(optimizer=name, warmup=2)
     assert mix.lbfgs_start(ctx) == start
     assert [mix.adam_phase(ctx, k) for k in range(6)] == [k < start for k in range(6)]
     assert [mix.collocation_iteration(ctx, k) for k in range(6)] == used
     opt = mix.optimizer(ctx, list(ctx.model.parameters()))
-    assert isinstance(opt, P.AdamLBFGS)
-    with pytest.raises(ValueError, match="optimizer must be 'adam\\+lbfgs', 'adam' or 'lbfgs'"):
+    assert type(opt) is cls
+    if second is not None:
+        assert type(opt.second) is second and opt.warmup == 2 and opt.needs_closure
+    with pytest.raises(ValueError, match="optimizer must be one of 'adam\\+lbfgs'"):
         mix.optimizer(_mixin_ctx(optimizer="sgd"), list(ctx.model.parameters()))
 
 

@@ -28,7 +28,10 @@ from deepsolve.train import train
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "problems" / "allen_cahn_pinn.py"
 TINY = ["n_slices=4", "n_per_slice=16", "width=8", "depth=2", "ref_modes=128", "ref_dt=5e-3",
-        "test_nx=32", "test_nt=11", "eval_every=2", "n_initial=16"]
+        "test_nx=32", "test_nt=11", "eval_every=2", "n_initial=16",
+        # the Adam -> L-BFGS configuration (the defaults before SSBroyden)
+        "optimizer=adam+lbfgs", "dtype=float32", "switch_at=1050", "constraints=hard",
+        "lbfgs_resample_every=50", "harmonics=3"]
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest: one intra-op thread
@@ -195,7 +198,8 @@ def test_defaults_and_documented_keys(ac):
     prob, mod = ac
     cfg = prob.config()
     assert cfg["ref_modes"] % cfg["test_nx"] == 0 and (cfg["test_nx"], cfg["test_nt"]) == (512, 201)
-    assert cfg["causal_threshold"] == 0.99 and cfg["constraints"] == "hard"
+    assert cfg["causal_threshold"] == 0.99 and cfg["constraints"] == "soft"
+    assert cfg["optimizer"] == "ssbroyden" and cfg["dtype"] == "float64"
     assert set(mod.TERMS) == {"pde", "initial"} and set(mod.METRICS) == {"u_rel_l2",
                                                                           "u_max_error"}
     for name in (*mod.TERMS, *mod.METRICS, "causal_eps", "causal_min_weight", "pde_mse"):
