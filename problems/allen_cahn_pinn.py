@@ -99,11 +99,12 @@ Metrics (``evaluate``)
 unweighted mean residual square) of the last loss evaluation. The published anchors: a
 relative L2 error of 5.37e-5 with JAX-PI (Wang, Sankaran, Wang & Perdikaris 2023, arXiv
 2308.08468) and 2.24e-5 with PirateNets (Wang, Li, Chen & Perdikaris 2024, arXiv
-2402.00326), both after long GPU training. The defaults (1000 Adam steps in float32, 50 L-BFGS
-steps in float32, 200 in float64) reached ``u_rel_l2`` 2.3e-3 (``u_max_error`` 3.3e-2, near
+2402.00326), both after long GPU training. The SSBroyden defaults reached ``u_rel_l2``
+below 1e-4 after 3.3 minutes, below 5.37e-5 after 3.9 and 1.9e-5 at best (14 minutes) on the
+project's 2-core CPU (two threads); the earlier Adam → L-BFGS defaults (4×64, three
+harmonics, hard initial condition) reached 2.3e-3 in 23 minutes (``u_max_error`` 3.3e-2, near
 :math:`x = 0` at :math:`t = 1`, where :math:`u \approx 0` is unstable and residual errors
-grow like :math:`e^{5t}`) in 23 minutes on the project's loaded 2-core CPU (one thread);
-docs/pinn.md lists the measurements.
+grow like :math:`e^{5t}`). docs/pinn.md lists the measurements.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ class AllenCahnNet(torch.nn.Module):
 class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
     defaults = {
         # trainer
-        "iterations": 1800,        # total trainer iterations (warm-up + second-order steps)
+        "iterations": 700,         # total trainer iterations (warm-up + second-order steps)
         "lr": 1e-3,                # Adam learning rate
         "lr_decay": 0.9,           # Adam learning rate × lr_decay every lr_decay_every steps
         "lr_decay_every": 1000,
