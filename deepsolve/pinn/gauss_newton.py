@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.func import functional_call, jacrev, jvp, vjp, vmap
@@ -430,10 +430,9 @@ class GaussNewton(torch.optim.Optimizer):
                 break
         return theta
 
-    # ---- restart state -----------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        return super().state_dict()
+    # ---- state -------------------------------------------------------------------------
+    # mu, nu and the counters live in ``self.state`` of the first parameter, so the standard
+    # ``state_dict`` / ``load_state_dict`` carry them into and out of restart files.
 
     @property
     def damping_now(self) -> float:
