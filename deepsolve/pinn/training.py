@@ -1,11 +1,17 @@
-r"""The Adam → L-BFGS training plumbing that PINN problem files share.
+r"""The optimiser plumbing that PINN problem files share: Adam → L-BFGS and the
+second-order methods.
 
 :class:`AdamLBFGSTraining` is a mixin for a problem class (``class MyPINN(AdamLBFGSTraining,
 deepsolve.Problem)``). It supplies, from the problem's settings, the hooks the trainer calls:
 
-* ``optimizer`` — :class:`~deepsolve.pinn.AdamLBFGS` (``optimizer`` = ``"adam+lbfgs"``: Adam
-  for ``adam_iterations`` steps at ``lr``, then L-BFGS with ``lbfgs_iters`` inner iterations
-  and ``lbfgs_history`` pairs; ``"adam"``; ``"lbfgs"``), whose ``on_step`` hook is
+* ``optimizer`` — for ``optimizer`` = ``"adam+lbfgs"`` (Adam for ``adam_iterations`` steps
+  at ``lr``, then L-BFGS with ``lbfgs_iters`` inner iterations and ``lbfgs_history`` pairs),
+  ``"adam"`` or ``"lbfgs"`` an :class:`~deepsolve.pinn.AdamLBFGS`; for ``"ssbroyden"``,
+  ``"bfgs"`` (``self_scaled``; ``qn_iters`` iterations a step) and ``"gauss_newton"``
+  (``gn_iters``, ``gn_damping``, ``jacobian_budget``; the problem's
+  :meth:`~AdamLBFGSTraining.least_squares_terms`) an :class:`~deepsolve.pinn.AdamWarmup`
+  of ``warmup`` Adam steps around :class:`~deepsolve.pinn.SelfScaledBroyden` or
+  :class:`~deepsolve.pinn.GaussNewton`. The ``on_step`` hook of both is
   :meth:`~AdamLBFGSTraining.on_step`;
 * ``on_step`` — from iteration ``switch_at`` (``-1``: never) on, model and data are in
   ``switch_dtype`` (:func:`~deepsolve.pinn.switch_precision`); returns whether the L-BFGS
@@ -17,7 +23,7 @@ deepsolve.Problem)``). It supplies, from the problem's settings, the hooks the t
 
 and two helpers for ``residuals``: :meth:`~AdamLBFGSTraining.adam_phase` and
 :meth:`~AdamLBFGSTraining.collocation_iteration` (L-BFGS keeps the last Adam point set, so it
-minimises one fixed objective). It reads only ``ctx.cfg``, ``ctx.data`` and ``ctx.model``.
+minimises one fixed objective; the second-order methods may take new sets). It reads only ``ctx.cfg``, ``ctx.data`` and ``ctx.model``.
 """
 
 from __future__ import annotations
