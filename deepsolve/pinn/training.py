@@ -23,7 +23,8 @@ deepsolve.Problem)``). It supplies, from the problem's settings, the hooks the t
 
 and two helpers for ``residuals``: :meth:`~AdamLBFGSTraining.adam_phase` and
 :meth:`~AdamLBFGSTraining.collocation_iteration` (L-BFGS keeps the last Adam point set, so it
-minimises one fixed objective; the second-order methods may take new sets). It reads only ``ctx.cfg``, ``ctx.data`` and ``ctx.model``.
+minimises one fixed objective; the second-order methods may take new sets). It reads only
+``ctx.cfg``, ``ctx.data`` and ``ctx.model``.
 """
 
 from __future__ import annotations
