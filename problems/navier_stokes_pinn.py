@@ -86,6 +86,7 @@ import torch
 import deepsolve
 from deepsolve.pinn import (
     FNN,
+    SECOND_ORDER_SETTINGS,
     AdamLBFGSTraining,
     ChunkedResidual,
     Collocation,
@@ -125,12 +126,8 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
         # optimiser
         "optimizer": "ssbroyden",  # "ssbroyden", "bfgs", "gauss_newton", "adam+lbfgs",
                                    # "adam" or "lbfgs"
-        "warmup": 0,               # Adam steps before a second-order optimizer
-        "gn_iters": 1,             # Gauss-Newton iterations per trainer iteration
-        "gn_damping": 1e-3,        # initial Levenberg-Marquardt damping (relative)
-        "jacobian_budget": "",     # e.g. "64MiB": Jacobian chunk size ("" = the run's budget)
-        "qn_iters": 20,            # SSBroyden/BFGS iterations per trainer iteration
-        "self_scaled": True,       # "bfgs": self-scaled (SSBFGS) or plain BFGS
+        **SECOND_ORDER_SETTINGS,   # warmup, qn_iters, self_scaled, gn_iters, gn_damping,
+                                   # jacobian_budget (deepsolve.pinn.SECOND_ORDER_SETTINGS)
         "adam_iterations": 2000,   # "adam+lbfgs": Adam steps before L-BFGS takes over
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,

@@ -56,3 +56,25 @@ def make_ctx(problem: Problem, sets: Iterable[str] = (), *, base: Iterable[str] 
         torch.manual_seed(seed)
     problem.build(ctx)
     return ctx
+
+
+def stop_resume_and_compare(path, sets: list[str], tmp_path, stop: int, total: int,
+                            rtol: float = 1e-10):
+    """Train ``path`` with ``--set sets`` for ``stop`` iterations, resume it to ``total``,
+    and train another run straight to ``total``; assert the two logs hold the same
+    iterations and losses (``rtol``) and return both results ``(resumed, whole)``."""
+    import numpy as np
+
+    from deepsolve.io.h5log import read_log
+    from deepsolve.train import train
+
+    out = str(tmp_path / "run")
+    train(str(path), sets=sets, overrides={"iterations": stop}, out=out, quiet=True)
+    res = train(str(path), sets=sets, overrides={"iterations": total}, out=out, resume=True,
+                quiet=True)
+    whole = train(str(path), sets=sets, overrides={"iterations": total},
+                  out=str(tmp_path / "whole"), quiet=True)
+    a, b = read_log(res.log_path).columns, read_log(whole.log_path).columns
+    assert list(a["iteration"]) == list(range(total))
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=rtol, atol=0)
+    return res, whole

@@ -275,14 +275,7 @@ def test_second_order_with_causal_weights_resumes_exactly(tmp_path, sets):
     stopped after iteration 4 and resumed equals one that ran through."""
     sets = TINY + sets + ["dtype=float64", "switch_at=-1", "warmup=2", "lbfgs_resample_every=2",
                           "checkpoint_every=100"]
-    out = str(tmp_path / "run")
-    train(str(PATH), sets=sets, overrides={"iterations": 4}, out=out, quiet=True)
-    res = train(str(PATH), sets=sets, overrides={"iterations": 8}, out=out, resume=True,
-                quiet=True)
-    whole = train(str(PATH), sets=sets, overrides={"iterations": 8},
-                  out=str(tmp_path / "whole"), quiet=True)
-    a, b = read_log(res.log_path).columns, read_log(whole.log_path).columns
-    assert list(a["iteration"]) == list(range(8))
-    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-10, atol=0)
+    res, _ = helpers.stop_resume_and_compare(PATH, sets, tmp_path, stop=4, total=8)
+    a = read_log(res.log_path).columns
     assert a["loss"][-1] < 0.5 * a["loss"][1]
     assert a["lr"][-1] == pytest.approx(1.0)

@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import sys
 
+import helpers
 import numpy as np
 import pytest
 import torch
@@ -347,15 +348,8 @@ def test_second_order_resumed_run_equals_uninterrupted(tmp_path, path, tiny, nam
                                   "checkpoint_every=100"]
     if path == BURGERS:
         sets += ["rad_every=3", "rad_pool=300"]
-    out = str(tmp_path / "run")
-    train(str(path), sets=sets, overrides={"iterations": 4}, out=out, quiet=True)
-    res = train(str(path), sets=sets, overrides={"iterations": 8}, out=out, resume=True,
-                quiet=True)
-    whole = train(str(path), sets=sets, overrides={"iterations": 8},
-                  out=str(tmp_path / "whole"), quiet=True)
-    a, b = read_log(res.log_path).columns, read_log(whole.log_path).columns
-    assert list(a["iteration"]) == list(range(8))
-    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-10, atol=0)
+    res, whole = helpers.stop_resume_and_compare(path, sets, tmp_path, stop=4, total=8)
+    a = read_log(res.log_path).columns
     assert a["loss"][-1] < 0.5 * a["loss"][1]
     assert a["lr"][0] == pytest.approx(1e-3) and a["lr"][-1] == pytest.approx(1.0)
     sa = torch.load(res.restart_path, weights_only=True)

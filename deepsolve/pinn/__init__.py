@@ -62,7 +62,7 @@ from .networks import ACTIVATIONS, FNN
 from .optim import AdamLBFGS, AdamWarmup, switch_precision
 from .quasi_newton import QUASI_NEWTON, SelfScaledBroyden
 from .sampling import Collocation, residual_magnitude, select_largest
-from .training import OPTIMIZERS, SECOND_ORDER, AdamLBFGSTraining
+from .training import OPTIMIZERS, SECOND_ORDER, SECOND_ORDER_SETTINGS, AdamLBFGSTraining
 from .weighting import AnnealingWeights, FixedWeights, Weights, make_weights
 
 __all__ = [
@@ -74,7 +74,8 @@ __all__ = [
     "SavedBytes", "bytes_per_point", "chunk_size_for_budget", "chunked_sum", "chunked_mse",
     "ChunkedResidual",
     "AdamLBFGS", "AdamWarmup", "switch_precision", "AdamLBFGSTraining", "OPTIMIZERS",
-    "SECOND_ORDER", "SelfScaledBroyden", "QUASI_NEWTON", "GaussNewton", "LeastSquaresTerm",
+    "SECOND_ORDER", "SECOND_ORDER_SETTINGS", "SelfScaledBroyden", "QUASI_NEWTON",
+    "GaussNewton", "LeastSquaresTerm",
     "least_squares_loss", "residual_jacobian",
     "causal_loss", "causal_weights", "CausalWeighting", "sample_time_slices", "slice_mse",
     "PAPER_EPS",

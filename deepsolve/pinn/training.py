@@ -37,13 +37,24 @@ from .gauss_newton import GaussNewton, LeastSquaresTerm
 from .optim import AdamLBFGS, AdamWarmup, switch_precision
 from .quasi_newton import SelfScaledBroyden
 
-__all__ = ["AdamLBFGSTraining", "OPTIMIZERS", "SECOND_ORDER"]
+__all__ = ["AdamLBFGSTraining", "OPTIMIZERS", "SECOND_ORDER", "SECOND_ORDER_SETTINGS"]
 
 OPTIMIZERS = ("adam+lbfgs", "adam", "lbfgs", "ssbroyden", "bfgs", "gauss_newton")
 """The values of the ``optimizer`` setting."""
 
 SECOND_ORDER = ("ssbroyden", "bfgs", "gauss_newton")
 """The optimizers that follow an optional Adam warm-up of ``warmup`` steps."""
+
+SECOND_ORDER_SETTINGS: dict[str, Any] = {
+    "warmup": 0,               # Adam steps before a second-order optimizer
+    "gn_iters": 1,             # Gauss-Newton iterations per trainer iteration
+    "gn_damping": 1e-3,        # initial Levenberg-Marquardt damping (relative)
+    "jacobian_budget": "",     # e.g. "64MiB": Jacobian chunk size ("" = the run's budget)
+    "qn_iters": 20,            # SSBroyden/BFGS iterations per trainer iteration
+    "self_scaled": True,       # "bfgs": self-scaled (SSBFGS) or plain BFGS
+}
+"""The settings the second-order optimizers read, with their defaults: a problem class puts
+``**SECOND_ORDER_SETTINGS`` in its ``defaults`` (and may override any of them)."""
 
 
 class AdamLBFGSTraining:
@@ -66,13 +77,18 @@ class AdamLBFGSTraining:
                              f"got {ctx.cfg.optimizer!r}")
         return name
 
+    @staticmethod
+    def _setting(ctx, key: str) -> Any:
+        """``ctx.cfg``'s value of a second-order setting, or its default."""
+        return getattr(ctx.cfg, key, SECOND_ORDER_SETTINGS[key])
+
     def lbfgs_start(self, ctx) -> int:
         """The first iteration after Adam: ``adam_iterations`` for ``"adam+lbfgs"``, 0 for
         ``"lbfgs"``, ``warmup`` (default 0) for the second-order optimizers, never for
         ``"adam"`` (reported as a huge number)."""
         name = self._optimizer_name(ctx)
         if name in SECOND_ORDER:
-            return int(getattr(ctx.cfg, "warmup", 0))
+            return int(self._setting(ctx, "warmup"))
         return {"adam+lbfgs": int(ctx.cfg.adam_iterations), "lbfgs": 0}.get(name, 2**62)
 
     def _adapt_until(self, ctx) -> int | None:
@@ -125,17 +141,19 @@ class AdamLBFGSTraining:
         second: torch.optim.Optimizer
         outer: list[AdamWarmup] = []   # the iteration is the outer optimizer's step count
         if name == "gauss_newton":
-            budget = str(getattr(cfg, "jacobian_budget", "") or getattr(cfg, "budget", "") or "")
+            budget = str(self._setting(ctx, "jacobian_budget") or getattr(cfg, "budget", "")
+                         or "")
             second = GaussNewton(
                 params, ctx.model,
                 lambda: self.least_squares_terms(ctx, outer[0].steps_taken),
-                max_iter=int(getattr(cfg, "gn_iters", 1)),
-                damping=float(getattr(cfg, "gn_damping", 1e-3)),
+                max_iter=int(self._setting(ctx, "gn_iters")),
+                damping=float(self._setting(ctx, "gn_damping")),
                 budget=budget or None)
         else:
             second = SelfScaledBroyden(params, method="ssbroyden" if name == "ssbroyden"
-                                       else "ssbfgs" if getattr(cfg, "self_scaled", True)
-                                       else "bfgs", max_iter=int(getattr(cfg, "qn_iters", 20)))
+                                       else "ssbfgs" if self._setting(ctx, "self_scaled")
+                                       else "bfgs",
+                                       max_iter=int(self._setting(ctx, "qn_iters")))
         outer.append(AdamWarmup(params, second, warmup=self.lbfgs_start(ctx),
                                 adam_lr=float(cfg.lr), on_step=lambda k: self.on_step(ctx, k)))
         return outer[0]
