@@ -62,6 +62,7 @@ import torch
 from torch.func import functional_call, jacrev, jvp, vjp, vmap
 
 from ..memory.budget import parse_budget
+from .optim import flat_parameters, load_flat_parameters
 
 __all__ = ["LeastSquaresTerm", "GaussNewton", "residual_jacobian", "least_squares_loss"]
 
@@ -208,7 +209,7 @@ def residual_jacobian(model: torch.nn.Module, terms: Sequence[LeastSquaresTerm],
     :func:`least_squares_loss` of the terms."""
     params = list(model.parameters()) if params is None else list(params)
     res = _Residuals(model, params, terms)
-    theta = torch.cat([p.detach().reshape(-1) for p in params])
+    theta = flat_parameters(params)
     rows = chunk_rows or max(int(t.points.shape[0]) for t in terms)
     rs, js = [], []
     with _no_saved_tensor_hooks():
@@ -285,15 +286,6 @@ class GaussNewton(torch.optim.Optimizer):
         per_row = 3 * self.n_params * item * max(res.components)
         return max(int(cap // per_row), 1)
 
-    def _theta(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self._params])
-
-    def _set(self, theta: torch.Tensor) -> None:
-        with torch.no_grad():
-            for p, part in zip(self._params, torch.split(theta, [p.numel() for p in
-                                                                self._params]), strict=True):
-                p.copy_(part.view_as(p))
-
     def _loss(self, res: _Residuals, theta: torch.Tensor, rows: int) -> float:
         with torch.no_grad():
             total = theta.new_zeros(())
@@ -357,7 +349,7 @@ class GaussNewton(torch.optim.Optimizer):
         st = self.state[self._params[0]]
         res = _Residuals(self.model, self._params, self.terms())
         rows = self.rows(res)
-        theta = self._theta()
+        theta = flat_parameters(self._params)
         if self.check_rtol is not None and not st["checked"]:
             with torch.enable_grad():
                 want = float(closure().detach())
@@ -369,7 +361,7 @@ class GaussNewton(torch.optim.Optimizer):
             st["checked"] = True
         with _no_saved_tensor_hooks():
             theta = self._iterate(res, rows, theta, st)
-        self._set(theta)
+        load_flat_parameters(self._params, theta)
         with torch.enable_grad():
             return closure()
 
@@ -430,11 +422,5 @@ class GaussNewton(torch.optim.Optimizer):
                 break
         return theta
 
-    # ---- state -------------------------------------------------------------------------
     # mu, nu and the counters live in ``self.state`` of the first parameter, so the standard
     # ``state_dict`` / ``load_state_dict`` carry them into and out of restart files.
-
-    @property
-    def damping_now(self) -> float:
-        """The current :math:`\\mu`."""
-        return float(self.state[self._params[0]]["mu"])

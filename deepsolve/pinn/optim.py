@@ -39,6 +39,21 @@ import torch
 __all__ = ["AdamLBFGS", "AdamWarmup", "switch_precision"]
 
 
+def flat_parameters(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The parameters' values, flattened and concatenated (detached), ``(P,)``."""
+    return torch.nn.utils.parameters_to_vector(params).detach()
+
+
+def load_flat_parameters(params: Iterable[torch.Tensor], theta: torch.Tensor) -> None:
+    """Copy the flat vector ``theta`` (``(P,)``, as :func:`flat_parameters` lays it out)
+    into the parameters, in place (they stay the same tensors, not views of ``theta``)."""
+    with torch.no_grad():
+        a = 0
+        for p in params:
+            p.copy_(theta[a:a + p.numel()].view_as(p))
+            a += p.numel()
+
+
 def switch_precision(model: torch.nn.Module, data: MutableMapping[str, Any] | None,
                      dtype: torch.dtype) -> bool:
     """Cast ``model``'s floating parameters and buffers and the floating tensors among the

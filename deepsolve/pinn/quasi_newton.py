@@ -50,6 +50,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim.lbfgs import _strong_wolfe
 
+from .optim import flat_parameters, load_flat_parameters
+
 __all__ = ["SelfScaledBroyden", "QUASI_NEWTON"]
 
 QUASI_NEWTON = ("ssbroyden", "ssbfgs", "bfgs")
@@ -71,21 +73,15 @@ def broyden_update(H: torch.Tensor, s: torch.Tensor, y: torch.Tensor, g: torch.T
         return False
     h = rho * yHy
     b = -alpha * rho * float(s @ g)
-    if method == "bfgs":
-        tau, phi = (rho * float(y @ y) if first else 1.0), 1.0
-        if first:  # scale H0 = I before the update (Nocedal & Wright 6.20)
-            H.div_(tau)
-            Hy = H @ y
-            yHy = float(y @ Hy)
-            tau = 1.0
-    elif method == "ssbfgs":
+    if method in ("bfgs", "ssbfgs"):
         phi = 1.0
-        tau = rho * float(y @ y) if first else min(1.0, 1.0 / b)
-        if first:
-            H.div_(tau)
+        if first:  # scale H0 = I before the update (Nocedal & Wright 6.20)
+            H.div_(rho * float(y @ y))
             Hy = H @ y
             yHy = float(y @ Hy)
             tau = 1.0
+        else:
+            tau = 1.0 if method == "bfgs" else min(1.0, 1.0 / b)
     elif method == "ssbroyden":
         a = b * h - 1.0
         if not (math.isfinite(a) and a > -1 and abs(a) > 1e-300 and b > 0):
@@ -108,8 +104,6 @@ def broyden_update(H: torch.Tensor, s: torch.Tensor, y: torch.Tensor, g: torch.T
             phi, tau = 1.0, 1.0
     else:
         raise ValueError(f"method must be one of {QUASI_NEWTON}, got {method!r}")
-    # recompute with the (possibly rescaled) H
-    h = rho * yHy
     v = rho * s - Hy / yHy
     H.addr_(Hy, Hy, alpha=-1.0 / yHy)
     H.addr_(v, v, alpha=phi * yHy)
@@ -166,16 +160,6 @@ class SelfScaledBroyden(torch.optim.Optimizer):
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self._params])
 
-    def _theta(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self._params])
-
-    def _set(self, theta: torch.Tensor) -> None:
-        with torch.no_grad():
-            a = 0
-            for p in self._params:
-                p.copy_(theta[a:a + p.numel()].view_as(p))
-                a += p.numel()
-
     def step(self, closure: Callable[[], torch.Tensor]):  # type: ignore[override]
         if closure is None:
             raise ValueError("SelfScaledBroyden.step needs a closure that returns the loss "
@@ -185,14 +169,14 @@ class SelfScaledBroyden(torch.optim.Optimizer):
         loss = closure()
         f = float(loss.detach())
         g = self._flat_grad()
-        theta = self._theta()
+        theta = flat_parameters(self._params)
         if "H" not in st or st["H"].dtype != theta.dtype:
             st["H"] = torch.eye(theta.numel(), dtype=theta.dtype, device=theta.device)
             st["first"] = True
         H = st["H"]
 
         def obj(x, t, d):
-            self._set(x + t * d)
+            load_flat_parameters(self._params, x + t * d)
             v = float(closure().detach())
             return v, self._flat_grad()
 
@@ -213,7 +197,7 @@ class SelfScaledBroyden(torch.optim.Optimizer):
             st["n_iter"] += 1
             if not (math.isfinite(f_new) and f_new <= f):
                 st["failed_ls"] += 1   # no decrease: stay, forget the curvature
-                self._set(theta)
+                load_flat_parameters(self._params, theta)
                 H.copy_(torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
                 st["first"] = True
                 break
@@ -225,5 +209,5 @@ class SelfScaledBroyden(torch.optim.Optimizer):
                 st["skipped"] += 1
             theta = theta + s
             f, g = f_new, g_new
-        self._set(theta)
+        load_flat_parameters(self._params, theta)
         return closure()

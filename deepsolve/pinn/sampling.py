@@ -55,17 +55,23 @@ def _sq(r: torch.Tensor) -> torch.Tensor:
     return r.pow(2) if r.dim() == 1 else r.pow(2).reshape(r.shape[0], -1).sum(-1)
 
 
+def _magnitudes(residual_fn: Callable, candidates: torch.Tensor, chunk: int) -> torch.Tensor:
+    """:func:`residual_magnitude` at every candidate ``(N,)``, in chunks of ``chunk`` points
+    with gradients enabled (autograd-based derivatives need them), detached."""
+    mags = []
+    for xc in candidates.split(int(chunk)):
+        with torch.enable_grad():
+            mags.append(residual_magnitude(residual_fn(xc)))
+    return torch.cat(mags)
+
+
 def select_largest(residual_fn: Callable, candidates: torch.Tensor, m: int,
                    chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``m`` candidates with the largest :func:`residual_magnitude` and those
     magnitudes (descending). The residual is evaluated in chunks of ``chunk`` points with
     gradients enabled (autograd-based derivatives need them) and detached."""
     m = min(int(m), candidates.shape[0])
-    mags = []
-    for xc in candidates.split(int(chunk)):
-        with torch.enable_grad():
-            mags.append(residual_magnitude(residual_fn(xc)))
-    mag = torch.cat(mags)
+    mag = _magnitudes(residual_fn, candidates, chunk)
     top = torch.topk(mag, m).indices
     return candidates[top].detach(), mag[top]
 
@@ -157,11 +163,7 @@ class Collocation:
         if cand.shape[0] < self.n:
             raise ValueError(f"redistribute: the pool has {cand.shape[0]} points, fewer than "
                              f"the set's {self.n}")
-        mags = []
-        for xc in cand.split(int(chunk)):
-            with torch.enable_grad():
-                mags.append(residual_magnitude(residual_fn(xc)))
-        err = torch.cat(mags).double().pow(float(k))
+        err = _magnitudes(residual_fn, cand, chunk).double().pow(float(k))
         mean = err.mean()
         p = (err / mean if mean > 0 else torch.zeros_like(err)) + float(c)
         if not bool(torch.isfinite(p).all()) or not float(p.sum()) > 0:
