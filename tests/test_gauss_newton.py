@@ -242,3 +242,18 @@ def test_runs_under_saved_tensor_hooks_and_restores_them():
     assert meter.peak > 0                              # and saw the closure's backward
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert error() < 0.1
+
+
+def test_jacobian_columns_follow_the_order_of_the_parameters_given():
+    """The flat parameter vector is laid out in the order the parameters are passed; the
+    Jacobian's columns follow it, whatever the model's own order."""
+    torch.manual_seed(0)
+    model = FNN(2, 2, 5, 2).to(F64)
+    x = torch.rand(9, 2, dtype=F64)
+    data = torch.cat([torch.rand(4, 2, dtype=F64), torch.randn(4, 2, dtype=F64)], 1)
+    terms = burgers_like_terms(model, x, data)
+    params = list(model.parameters())
+    _, J = residual_jacobian(model, terms, params)
+    _, Jr = residual_jacobian(model, terms, params[::-1])
+    cols = torch.split(torch.arange(J.shape[1]), [p.numel() for p in params])
+    torch.testing.assert_close(Jr, J[:, torch.cat(cols[::-1])], rtol=0, atol=0)

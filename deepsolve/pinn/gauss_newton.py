@@ -151,14 +151,14 @@ class _Residuals:
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter],
                  terms: Sequence[LeastSquaresTerm]):
-        by_id = {id(p): p for p in params}
-        self.names = [n for n, p in model.named_parameters() if id(p) in by_id]
-        if len(self.names) != len(params):
+        # in the order of ``params``: the flat vector's layout (flat_parameters(params))
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        if any(id(p) not in name_of for p in params):
             raise ValueError("GaussNewton: the parameters must be parameters of the model "
                              "(model.named_parameters())")
-        named = dict(model.named_parameters())
-        self.shapes = [named[n].shape for n in self.names]
-        self.sizes = [named[n].numel() for n in self.names]
+        self.names = [name_of[id(p)] for p in params]
+        self.shapes = [p.shape for p in params]
+        self.sizes = [p.numel() for p in params]
         self.terms = list(terms)
         if not self.terms:
             raise ValueError("GaussNewton: the problem gave no least-squares terms")
