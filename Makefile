@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the release on this machine's disk (a plain `torch` pulls a CUDA build)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,docs,tensorboard,examples]'
+	# the host allocator a CPU budget uses, compiled now rather than at the first budget
+	# (best effort: without a C++ compiler deepsolve falls back to glibc's thresholds)
+	-$(PY) -c "from deepsolve.memory import hostalloc; print(hostalloc.build())"
 	touch $(STAMP)
 
 # each demo run gets its own directory; runs/navier_stokes-latest points at the newest

@@ -147,7 +147,7 @@ def test_an_adjoint_hook_of_the_wrong_shape_is_a_one_line_error():
 def test_truncate_equals_the_detaching_plain_loop(n, K, how):
     step, x0, params = _problem(3)
     kw = {"revolve": dict(snapshots=2), "store_all": dict(schedule="store_all"),
-          "budget": dict(budget="64KiB"), "periodic": dict(schedule=deepsolve.Periodic(2))}[how]
+          "budget": dict(budget="256KiB"), "periodic": dict(schedule=deepsolve.Periodic(2))}[how]
     st = deepsolve.UnrollStats(adjoint_norms=True)
     final, outs = deepsolve.unroll(step, x0, n, truncate=K, stats=st, **kw)
     g = torch.autograd.grad(_loss(final, outs), [*x0.values(), *params])

@@ -362,7 +362,7 @@ def test_a_parameter_used_only_at_early_steps_gets_its_gradient(kw):
     revolve, the right value under store_all)."""
     p = torch.tensor(0.4, dtype=DT, requires_grad=True)
     w = torch.tensor(0.95, dtype=DT, requires_grad=True)
-    x0 = torch.linspace(0, 1, 8, dtype=DT)
+    x0 = torch.linspace(0, 1, 4096, dtype=DT)  # large enough that store_all needs more
 
     def step(x, i):
         return x * w + p * torch.cos(x) if i < 3 else x * w
@@ -370,9 +370,10 @@ def test_a_parameter_used_only_at_early_steps_gets_its_gradient(kw):
     n = 20
     ref = torch.autograd.grad(plain(step, x0, n).sum(), [p, w])
     if "budget" in kw:  # a factor of the planner's minimum budget
-        from deepsolve.memory import predicted_peak, profile_step
+        from deepsolve.memory import profile_step
+        from deepsolve.memory.planner import minimum_budget
 
-        least = predicted_peak(profile_step(step, x0), n, "revolve", 1)
+        least = minimum_budget(profile_step(step, x0), n)
         kw = {"budget": int(kw["budget"] * least)}
     st = deepsolve.UnrollStats()
     y = unroll(step, x0, n, stats=st, **kw)

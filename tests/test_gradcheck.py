@@ -202,9 +202,9 @@ def test_check_passes_when_the_noise_comes_from_torch(capsys):
 
 
 def test_check_with_a_budget_and_a_horizon(capsys):
-    res = check_problem(TINY, steps=7, overrides={"budget": "64KiB"})
+    res = check_problem(TINY, steps=7, overrides={"budget": "256KiB"})
     assert res.ok, res.table()
-    assert res.n_steps == 7 and "budget='64KiB'" in res.title
+    assert res.n_steps == 7 and "budget='256KiB'" in res.title
     assert main(["check", TINY, "--steps", "51"]) == 2
     err = capsys.readouterr().err
     assert "--steps 51" in err and "unrolls 50 steps" in err and err.count("\n") == 1

@@ -100,10 +100,44 @@ def test_store_all_chosen_when_it_fits():
 def test_budget_error_below_one_recorded_step():
     step, x0, params = make_step()
     prof = profile_step(step, x0)
+    minimum = predicted_peak(prof, N, "revolve", 1)
     with pytest.raises(BudgetError, match=r"below the minimum .* one recorded step takes"):
-        deepsolve.unroll(step, x0, N, budget=prof.tape_bytes // 2)
+        deepsolve.unroll(step, x0, N, budget=(4 * prof.state_bytes + minimum) // 2)
     with pytest.raises(ValueError, match="minimum"):
         deepsolve.plan(step, x0, N, budget="1MiB")
+
+
+def test_budget_below_four_states_is_refused_before_the_step_runs():
+    """A budget that cannot hold four states is refused before profiling: the step is never
+    called, and the message says what the floor is made of."""
+    step, x0, _ = make_step()
+    calls = []
+
+    def counted(x, i):
+        calls.append(i)
+        return step(x, i)
+
+    with pytest.raises(BudgetError, match=r"four states alone .* take 16.00 MiB"):
+        deepsolve.plan(counted, x0, N, budget=15 * MiB)
+    assert calls == []
+
+
+def test_budget_below_one_recorded_step_is_refused_after_one_recorded_step():
+    """Between four states and the minimum, the planner refuses as soon as one recorded step
+    is measured: before the engine's units, the timings and the policies (a handful of step
+    calls, not the profile's dozens)."""
+    step, x0, _ = make_step()
+    minimum = predicted_peak(profile_step(step, x0), N, "revolve", 1)
+    calls = []
+
+    def counted(x, i):
+        calls.append(i)
+        return step(x, i)
+
+    with pytest.raises(BudgetError, match="below the minimum"):
+        deepsolve.plan(counted, x0, N, budget=minimum - MiB)
+    # the advance (warm-up + 3 timed), a warm-up and a measured recorded step
+    assert len(calls) <= 6, len(calls)
 
 
 def test_more_budget_never_slower():

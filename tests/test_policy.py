@@ -173,7 +173,8 @@ def test_profile_measures_the_tape_under_each_policy():
     # measured live bytes: what a kept step holds after its forward (its output state and
     # the policy's cache), and the peak of its backward, which recomputes what was dropped
     assert plain.kept_bytes >= 5 * S_
-    assert 2 * S_ <= keep.kept_bytes <= 2 * S_ + 8192 and S_ <= alls.kept_bytes <= S_ + 8192
+    # (and the objects around them, measured in the engine: graph nodes, checkpoint frames)
+    assert 2 * S_ <= keep.kept_bytes <= 2 * S_ + 32768 and S_ <= alls.kept_bytes <= S_ + 32768
     assert keep.saves >= 1  # it kept the product's output
     for q in (keep, alls):
         assert q.base_tape_bytes == plain.tape_bytes
@@ -181,7 +182,9 @@ def test_profile_measures_the_tape_under_each_policy():
         assert q.reverse_bytes >= plain.tape_bytes  # the recomputed tape exists in backward
         assert q.state_bytes == S_ and q.t_advance == plain.t_advance
     assert profile_step(step, x0, policy="save_expensive") is keep  # cached per policy name
-    assert predicted_peak(keep, 100, "store_all") < predicted_peak(plain, 100, "store_all") / 2
+    # (the kept tape's objects, measured in the engine, are part of both: graph nodes, and
+    # under the policy the checkpoint's frames)
+    assert predicted_peak(keep, 100, "store_all") < 0.6 * predicted_peak(plain, 100, "store_all")
 
 
 def test_planner_takes_a_policy_when_it_pays_and_explains_it():
@@ -235,7 +238,7 @@ def test_unroll_with_budget_and_policy_is_exact():
     # forced: a long tail of kept tapes, smaller under the policy
     s_t, m = 3, 20
     assert predicted_peak(q, n, "revolve_tail", (s_t, m)) < \
-        0.6 * predicted_peak(p, n, "revolve_tail", (s_t, m))
+        0.7 * predicted_peak(p, n, "revolve_tail", (s_t, m))
     y = execute(step, x0, S.revolve_tail(n, s_t, m), policy="save_expensive")
     for a, b in zip(torch.autograd.grad(y.pow(2).sum(), [x0, W]), ref, strict=True):
         assert rel(a, b) <= 1e-10

@@ -170,7 +170,7 @@ def test_planner_counts_smaller_snapshots():
     small = deepsolve.plan(step, x0, n, budget=budget, policy="none", snapshot_dtype=BF16)
     assert full.kind == "revolve" and full.snapshots == 40
     assert small.snapshots >= 4 * 39 and small.predicted_peak <= budget
-    assert small.profile.slot_bytes == p.state_bytes // 4
+    assert small.profile.slot_bytes == p.state_bytes // 4 + small.profile.slot_extra
     assert "snapshots stored as torch.bfloat16" in small.explain()
     slots = deepsolve.memory.planner.online_snapshots(step, x0, budget)
     assert deepsolve.memory.planner.online_snapshots(step, x0, budget,

@@ -131,8 +131,8 @@ def test_budget_strategy_is_the_budget_short_form():
     n = 30
     step, x0, w = _chain(n)
     st1, st2 = deepsolve.UnrollStats(), deepsolve.UnrollStats()
-    deepsolve.unroll(step, x0, n, budget="64KiB", stats=st1).sum().backward()
-    deepsolve.unroll(step, x0, n, schedule=deepsolve.Budget("64KiB"), stats=st2).sum().backward()
+    deepsolve.unroll(step, x0, n, budget="256KiB", stats=st1).sum().backward()
+    deepsolve.unroll(step, x0, n, schedule=deepsolve.Budget("256KiB"), stats=st2).sum().backward()
     assert st1.extra["plan"].describe() == st2.extra["plan"].describe()
     assert st1.schedule == st2.schedule
 

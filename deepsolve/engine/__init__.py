@@ -24,6 +24,7 @@ from .graph import (
     constant_leaves,
     discover,
     graph_leaves,
+    pull_back,
     saved_bytes,
     sequence_marker,
     unseen_leaf,
@@ -42,15 +43,24 @@ from .policies import (
 )
 from .replay import Autocast, Replay, autocast_state, cuda_devices, get_rng, set_rng
 from .state import Step, codec, flatten_state, is_diff, spec_str, unflatten
-from .storage import HostStorage, Slot, Storage, check_snapshot_dtype, snapshot_nbytes
+from .storage import (
+    POOL_BELOW,
+    HostStorage,
+    Slot,
+    SnapshotPool,
+    Storage,
+    check_snapshot_dtype,
+    snapshot_nbytes,
+)
 
 __all__ = [
     "Autocast", "CompiledPolicy", "EXPENSIVE_OPS", "GradSum", "HostStorage", "Interpreter",
-    "Misfit", "POLICIES", "Recorder", "Replay", "SAVE_FFT_OPS", "Slot", "Step", "Storage",
+    "Misfit", "POLICIES", "POOL_BELOW", "Recorder", "Replay", "SAVE_FFT_OPS", "Slot",
+    "SnapshotPool", "Step", "Storage",
     "SweepStats", "Tape", "UnrollRun", "UnrollStats", "autocast_state", "check_snapshot_dtype",
     "check_truncate",
     "closure_leaves", "codec", "constant_leaves", "cuda_devices", "discover", "execute",
     "flatten_state", "get_rng", "graph_leaves", "holding", "is_diff", "policy_context",
-    "policy_name", "save_expensive", "save_fft", "saved_bytes", "sequence_marker",
+    "policy_name", "pull_back", "save_expensive", "save_fft", "saved_bytes", "sequence_marker",
     "set_rng", "snapshot_nbytes", "spec_str", "unflatten", "unseen_leaf",
 ]

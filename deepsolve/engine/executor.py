@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 from ..schedules import Online, Schedule, shifted
 from ..schedules.actions import Free, Reverse, Store
 from ..schedules.check import ScheduleError
-from .graph import constant_leaves, discover, sequence_marker, unseen_leaf
+from .graph import constant_leaves, discover, pull_back, sequence_marker, unseen_leaf
 from .interpreter import GradSum, Interpreter, Misfit, SweepStats
 from .policies import CompiledPolicy, Recorder, policy_context, policy_name
 from .replay import Replay
@@ -419,9 +419,11 @@ class UnrollRun(Interpreter):
 
     def _clear_slots(self) -> None:
         """Forget the snapshots a finished window schedule left stored."""
-        for key in list(self.slots):
+        for key, slot in self.slots.items():
             if key[0] != 0:
                 self._backend(key[0]).drop(key)
+            elif slot.row >= 0 and self.pool is not None:
+                self.pool.drop(slot.row)
         self.slots.clear()
         self.n_slots = 0
         self.snap_bytes = 0
@@ -493,7 +495,7 @@ class UnrollRun(Interpreter):
         if not roots or not inputs:
             self.grad = [None] * self.n_state
         else:
-            grads = torch.autograd.grad(roots, inputs, seeds, allow_unused=True)
+            grads = pull_back(roots, inputs, seeds)
             it = iter(grads)
             self.grad = [next(it) if t.requires_grad else None for t in x_in]
             add = self.pgrads.add
@@ -516,8 +518,7 @@ class UnrollRun(Interpreter):
         gy = None
         ys = [t for t in y if t.requires_grad]
         if roots and ys:
-            found = iter(torch.autograd.grad(roots, ys, seeds, retain_graph=True,
-                                             allow_unused=True))
+            found = iter(pull_back(roots, ys, seeds, retain_graph=True))
             gy = [next(found) if t.requires_grad else None for t in y]
             self.grad = [a if b is None else (b if a is None else a + b)
                          for a, b in zip(lam, gy, strict=True)]

@@ -6,6 +6,7 @@ step reaches nothing the unroll does not differentiate (:func:`unseen_leaf`), th
 leaves that stay constants (:func:`constant_leaves`), and the bytes a graph saves for its
 backward (:func:`saved_bytes`, for profiling). Graph nodes carry a sequence number; nodes
 older than the unroll's marker (:func:`sequence_marker`) belong to the caller's graph.
+:func:`pull_back` is the vector-Jacobian product of a recorded step.
 """
 
 from __future__ import annotations
@@ -18,7 +19,38 @@ from typing import Any
 import torch
 
 __all__ = ["saved_bytes", "graph_leaves", "sequence_marker", "unseen_leaf",
-           "constant_leaves", "closure_leaves", "discover"]
+           "constant_leaves", "closure_leaves", "discover", "pull_back"]
+
+
+def _engine_run():
+    try:
+        from torch.autograd.graph import _engine_run_backward
+
+        return _engine_run_backward
+    except ImportError:  # pragma: no cover - another torch
+        return None
+
+
+_run_backward = _engine_run()
+
+
+def pull_back(roots: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+              seeds: Sequence[torch.Tensor], retain_graph: bool = False
+              ) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(roots, inputs, seeds, allow_unused=True)``: the vector-Jacobian
+    product ``sum_k seeds_k^T d roots_k / d inputs`` (``None`` for an input the roots do not
+    reach), through autograd's engine directly.
+
+    The seeds are the executor's own adjoints, of the roots' shapes and dtypes by
+    construction, so the checks ``torch.autograd.grad`` makes of each seed are skipped — and
+    with them the import they trigger on their first call (``torch.fx``'s symbolic shapes
+    and sympy, about 21 MiB resident, which a budget would have to pay at its first call)
+    and a few microseconds per reversed step."""
+    if _run_backward is None:  # pragma: no cover
+        return torch.autograd.grad(roots, inputs, seeds, retain_graph=retain_graph,
+                                   allow_unused=True)
+    return _run_backward(tuple(roots), tuple(seeds), retain_graph, False, tuple(inputs), True,
+                         False)
 
 
 def saved_bytes(roots: Sequence[torch.Tensor], exclude: Sequence[torch.Tensor] = ()) -> int:

@@ -41,7 +41,7 @@ import torch
 from ..schedules.actions import Advance, Free, Record, Restore, Reverse, Store
 from ..schedules.check import ScheduleError
 from .replay import Replay
-from .storage import HostStorage, Slot
+from .storage import POOL_BELOW, HostStorage, Slot, SnapshotPool
 
 __all__ = ["Interpreter", "Misfit", "GradSum", "holding", "SweepStats"]
 
@@ -138,6 +138,12 @@ class Interpreter:
         self.snap_bytes = 0  # level-0 snapshot bytes held now, x_0 excluded
         self.peak_snap_bytes = 0
         self.storage: dict = dict(storage or {})
+        self.pool: SnapshotPool | None = None
+        if self.meta and all(m[2].type == "cpu" for m in self.meta) and \
+                sum(torch.Size(m[0]).numel() * m[1].itemsize for m in self.meta) < POOL_BELOW:
+            stored = [(m[0], (lower[k] if lower is not None and lower[k] is not None else m[1]),
+                       m[2]) for k, m in enumerate(self.meta)]
+            self.pool = SnapshotPool(stored)
         self.done = False
         self.backward_time = 0.0
 
@@ -171,17 +177,21 @@ class Interpreter:
         if lowered:
             assert self.lower is not None  # lowered implies it
             data = [t if d is None else t.to(d) for t, d in zip(cur, self.lower, strict=True)]
+        row = -1
         if a.level == 0:
             if a.index != 0:  # x_0 is the caller's tensor: holding it costs nothing
                 self.snap_bytes += self.slot_bytes
                 if self.snap_bytes > self.peak_snap_bytes:
                     self.peak_snap_bytes = self.snap_bytes
                     self._new_snapshot_peak()
+                if self.pool is not None:  # a small state: packed into the pool
+                    row = self.pool.put(data, a.index)
+                    data = None
         else:  # a second storage level (host memory, disk): the backend keeps the data
             self._backend(a.level).put(key, data)
             data = None
         self.slots[key] = Slot(data, [t._version for t in cur] if data is cur else None, rng,
-                               a.index, lowered)
+                               a.index, lowered, row)
         self.n_slots += 1
         if self.n_slots > self.peak_slots:
             self.peak_slots = self.n_slots
@@ -198,11 +208,14 @@ class Interpreter:
     def _free(self, a: Free) -> None:
         self._held(a)
         key = (a.level, a.slot)
-        del self.slots[key]
+        slot = self.slots.pop(key)
         self.n_slots -= 1
         if a.level == 0:
             if a.index != 0:
                 self.snap_bytes -= self.slot_bytes
+            if slot.row >= 0:
+                assert self.pool is not None  # rows come from it
+                self.pool.drop(slot.row)
         else:
             self._backend(a.level).drop(key)
 
@@ -222,6 +235,9 @@ class Interpreter:
         data = slot.data
         if a.level != 0:
             data = self._backend(a.level).get((a.level, a.slot), self.meta)
+        elif slot.row >= 0:
+            assert self.pool is not None  # rows come from it
+            data = self.pool.get(slot.row)
         assert data is not None  # a level-0 slot holds its leaves
         if a.level == 0 and slot.versions is not None and any(
                 t._version != v for t, v in zip(data, slot.versions, strict=True)):
@@ -236,6 +252,8 @@ class Interpreter:
         self.slots.clear()
         self.tapes.clear()
         self.pending = None
+        if self.pool is not None:
+            self.pool.close()
         for backend in self.storage.values():
             backend.close()
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["group_size", "agree_profile", "agree_min", "agree_level"]
+__all__ = ["group_size", "agree_profile", "agree_min", "agree_max", "agree_level"]
 
 
 def group_size(group: Any) -> int:
@@ -86,6 +86,13 @@ def agree_min(value: int, group: Any) -> int:
     if group_size(group) == 1:
         return value
     return int(_reduce([float(value)], group, "min")[0])
+
+
+def agree_max(value: int, group: Any) -> int:
+    """The largest value over the ranks: one-time library memory."""
+    if group_size(group) == 1:
+        return value
+    return int(_reduce([float(value)], group, "max")[0])
 
 
 def agree_level(level: Any, group: Any) -> Any:

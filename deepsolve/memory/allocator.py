@@ -1,4 +1,10 @@
-"""The C library's heap under a CPU budget: give freed tensor memory back to the system.
+"""The C library's heap under a CPU budget: the host allocator, or glibc's thresholds fixed.
+
+:func:`hold_to_budget` prepares the process for a CPU budget: it installs deepsolve's host
+allocator (:mod:`deepsolve.memory.hostalloc`) and sets its limit to the live bytes plus the
+budget, so large blocks are cached within the budget and reused warm; where the allocator
+cannot be built (no C++ compiler, no glibc, ``DEEPSOLVE_HOST_ALLOCATOR=0``) it falls back to
+fixing glibc's thresholds, described below — the bound without the reuse.
 
 PyTorch's CPU tensors come from ``malloc``. glibc serves a large request with its own
 ``mmap`` (returned to the system by ``free``) only above the *mmap threshold*, and that
@@ -29,7 +35,9 @@ import ctypes
 import ctypes.util
 import os
 
-__all__ = ["return_freed_memory", "MMAP_THRESHOLD"]
+from . import hostalloc
+
+__all__ = ["return_freed_memory", "hold_to_budget", "MMAP_THRESHOLD"]
 
 MMAP_THRESHOLD = 64 * 1024
 """Bytes from which glibc serves a block with its own mapping once the thresholds are fixed."""
@@ -65,3 +73,14 @@ def return_freed_memory() -> bool:
     _done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
         bool(mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD))
     return _done
+
+
+def hold_to_budget(nbytes: int) -> str:
+    """Prepare the process for a CPU call that may add ``nbytes`` at its peak: the host
+    allocator with its cache limited to the live bytes now plus ``nbytes`` (the cache is
+    emptied first), or glibc's thresholds fixed where the allocator is unavailable. Returns
+    what holds the heap: ``"host allocator"``, ``"glibc thresholds"`` or ``"nothing"``."""
+    if hostalloc.install():
+        hostalloc.set_limit(hostalloc.live() + int(nbytes))
+        return "host allocator"
+    return "glibc thresholds" if return_freed_memory() else "nothing"

@@ -10,30 +10,36 @@ How it is observed:
 
 * **CUDA**: the caching allocator's own counters, ``torch.cuda.memory_allocated`` and
   ``max_memory_allocated`` (reset on entry).
-* **CPU**: PyTorch's CPU allocator reports every allocation and free (pointer, size, time)
-  to the profiler when memory profiling is on; this is what
-  ``torch.profiler.profile(profile_memory=True)`` records. The block runs under that
-  profiler (CPU activity only, no stacks or shapes) and the events are summed in time order
-  to the running total of live bytes, keeping only frees of blocks allocated inside the
-  window. Cost: about a millisecond to start and stop, and a few microseconds per
-  allocation. Marks are one-byte sentinel allocations whose pointers identify their event
-  in the stream.
+* **CPU, with deepsolve's host allocator** (:mod:`deepsolve.memory.hostalloc`, installed by
+  the profile): its counters, the same way — every CPU tensor block it hands out, counted at
+  its usable size (the request plus the C library's rounding). Free of cost and of memory.
+* **CPU, without it** (no C++ compiler, ``DEEPSOLVE_HOST_ALLOCATOR=0``): PyTorch's CPU
+  allocator reports every allocation and free (pointer, size, time) to the profiler when
+  memory profiling is on; this is what ``torch.profiler.profile(profile_memory=True)``
+  records. The block runs under that profiler (CPU activity only, no stacks or shapes) and
+  the events are summed in time order to the running total of live bytes, keeping only
+  frees of blocks allocated inside the window. Cost: about a millisecond to start and stop,
+  a few microseconds per allocation, and about 3 MiB resident after its first start. Marks
+  are one-byte sentinel allocations whose pointers identify their event in the stream.
 
 This sees the step's *working set* — the temporaries of its forward, the gradient buffers
 of its backward, the im2col buffers of a convolution, the complex intermediates of an FFT —
 which ``saved_tensors_hooks`` (tensors kept for backward) cannot see. It sees tensor memory
-only: Python objects and the allocator's own overhead are not counted, nor freed memory that
-the C library keeps in its heap (see :mod:`deepsolve.memory.allocator`).
+only: Python objects and the C++ objects around tensors are not counted, nor freed memory
+that the C library keeps in its heap (see :mod:`deepsolve.memory.allocator`).
 
-When the profiler is already running (a user profiling their own job) the CPU window cannot
-nest; ``lb.measured`` is then ``False`` and every figure is 0, and callers fall back to an
+With the counters (CUDA, the host allocator), memory from before the window that is freed
+inside it lowers the count, as ``torch.cuda.memory_allocated`` does. Without them, when the
+profiler is already running (a user profiling their own job), the CPU window cannot nest;
+``lb.measured`` is then ``False`` and every figure is 0, and callers fall back to an
 estimate.
 
 Beside the tensors, :func:`heap_in_use` reads the C library's own count: the bytes ``malloc``
 has handed out (glibc's ``mallinfo2``), tensors *and* the C++ objects around them — autograd
-graph nodes, saved-variable records, tensor metadata. A recorded step of the Navier–Stokes
-benchmark keeps about 140 KiB of such objects beside its tensors. Read it outside a
-``LiveBytes`` window: the profiler's own event records come from ``malloc`` too.
+graph nodes, saved-variable records, tensor metadata — plus the host allocator's mapped
+blocks, which ``malloc`` does not see. A recorded step of the Navier–Stokes benchmark keeps
+about 140 KiB of such objects beside its tensors. Without the host allocator, read it
+outside a ``LiveBytes`` window: the profiler's own event records come from ``malloc`` too.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ import sys
 from typing import cast
 
 import torch
+
+from . import hostalloc
 
 __all__ = ["LiveBytes", "heap_in_use"]
 
@@ -62,19 +70,29 @@ class LiveBytes:
         self._at: list[int] = []
         self._peak_at: list[int] = []
         self._cfg = None
+        self._counters = False
+        self._base = 0
 
-    # -- CUDA: the allocator's counters ----------------------------------------------------
-    def _cuda_now(self) -> tuple[int, int]:
-        torch.cuda.synchronize(self.device)
-        return (torch.cuda.memory_allocated(self.device) - self._base,
-                torch.cuda.max_memory_allocated(self.device) - self._base)
+    # -- counters: CUDA's allocator, or the host allocator on the CPU -------------------------
+    def _now(self) -> tuple[int, int]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return (torch.cuda.memory_allocated(self.device) - self._base,
+                    torch.cuda.max_memory_allocated(self.device) - self._base)
+        return hostalloc.live() - self._base, hostalloc.peak() - self._base
 
     # -- context -----------------------------------------------------------------------------
     def __enter__(self) -> LiveBytes:
+        self._counters = self.device.type == "cuda" or hostalloc.active()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            self.measured = True
+            return self
+        if self._counters:
+            self._base = hostalloc.live()
+            hostalloc.reset_peak()
             self.measured = True
             return self
         self._cfg = _start_profiler()
@@ -84,8 +102,8 @@ class LiveBytes:
     def mark(self) -> int:
         """Remember this moment; returns the mark's index for :meth:`at`/:meth:`peak_until`."""
         k = len(self._marks)
-        if self.device.type == "cuda":
-            live, peak = self._cuda_now()
+        if self._counters:
+            live, peak = self._now()
             self._marks.append(None)
             self._at.append(live)
             self._peak_at.append(peak)
@@ -102,8 +120,8 @@ class LiveBytes:
         return self._peak_at[k]
 
     def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            self.end, self.peak = self._cuda_now()
+        if self._counters:
+            self.end, self.peak = self._now()
             self.peak = max(self.peak, self.end)
             return
         if self._cfg is None:
@@ -231,9 +249,10 @@ _mallinfo2 = _load_mallinfo2()
 
 def heap_in_use() -> int | None:
     """Bytes glibc's ``malloc`` has handed out and not taken back (``mallinfo2``: in-use heap
-    blocks plus mapped blocks, all arenas), or ``None`` without glibc. It walks the heap's
+    blocks plus mapped blocks, all arenas) plus the host allocator's mapped blocks, or
+    ``None`` without glibc. It walks the heap's
     free lists, so it takes microseconds to milliseconds: for measurements, not hot paths."""
     if _mallinfo2 is None:
         return None
     info = _mallinfo2()
-    return int(info.uordblks + info.hblkhd)
+    return int(info.uordblks + info.hblkhd) + hostalloc.mapped()

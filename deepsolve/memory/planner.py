@@ -48,6 +48,7 @@ changes something: one that keeps nothing on this step (``"save_fft"`` without F
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import time
@@ -67,14 +68,16 @@ from ..engine import (
     snapshot_nbytes,
 )
 from ..schedules import Schedule, mixed_cost, revolve_tail_cost
-from .agree import agree_level, agree_min, agree_profile
-from .allocator import return_freed_memory
+from .agree import agree_level, agree_max, agree_min, agree_profile, group_size
+from .allocator import hold_to_budget
 from .budget import BudgetError, device_capacity, format_bytes, parse_budget
+from .library import affordable, load_policy_machinery, policy_machinery
 from .offload import DiskStorage
 from .profiling import StepProfile, profile_step
 from .strategies import Mixed, Revolve, RevolveTail, StoreAll, Strategy, TwoLevel, strategy_for
+from .units import probe_peak
 
-__all__ = ["Plan", "Alternative", "SlowLevel", "plan", "choose", "predicted_peak",
+__all__ = ["Plan", "Alternative", "SlowLevel", "plan", "choose", "predicted_peak", "minimum_budget",
            "peak_terms", "weighed_policies", "measure_level", "online_snapshots"]
 
 
@@ -132,6 +135,7 @@ class Plan:
     snapshot_dtype: Any = None
     terms: dict[str, int] = field(default_factory=dict)
     strategy: Strategy | None = None
+    library_bytes: int = 0
 
     def explain(self) -> str:
         """A short table of the alternatives weighed, the chosen plan's peak term by term,
@@ -153,9 +157,18 @@ class Plan:
                 f"({q.kept_bytes / max(p.kept_bytes, 1):.0%} of the plain step), record + "
                 f"reverse {format_bytes(q.reverse_bytes)}, t_record+backward "
                 f"{(q.t_record + q.t_backward) * 1e3:.3g} ms")
-        if p.snapshot_bytes is not None:
-            lines.append(f"snapshots stored as {self.snapshot_dtype or 'a smaller dtype'}: "
-                         f"{format_bytes(p.slot_bytes)} each (gradients no longer exact)")
+        lines.append(
+            f"a snapshot holds {format_bytes(p.slot_bytes)}: "
+            + (f"the state, snapshots stored as {self.snapshot_dtype or 'a smaller dtype'} "
+               f"({format_bytes(p.snapshot_bytes)}, gradients no longer exact)"
+               if p.snapshot_bytes is not None else f"the state ({format_bytes(p.state_bytes)})")
+            + f" and {format_bytes(p.slot_extra)} beside it (tensor objects, the allocator's "
+            "rounding, the snapshot's record"
+            + (", the random generators' state: the step draws random numbers)"
+               if p.draws_random else "; the step draws no random numbers, so no generator "
+               "state is kept)")
+            + f"; a kept tape {format_bytes(p.kept_bytes)}, a link of a plain chain "
+            f"{format_bytes(p.chain_bytes)} (measured in the engine, objects included)")
         lines += ["", f"  {'schedule':<52} {'peak':>12} {'time':>7}  fits"]
         for a in self.alternatives:
             mark = "*" if a.name == self.describe() else " "
@@ -176,6 +189,14 @@ class Plan:
             return self.strategy.describe()
         return repr(self.schedule)
 
+    def __repr__(self) -> str:
+        """One line; :meth:`explain` gives the whole table."""
+        return (f"Plan({self.describe()}, {self.n_steps} steps, budget "
+                f"{format_bytes(self.budget)}, predicted peak "
+                f"{format_bytes(self.predicted_peak)}, time {self.predicted_time:.2f}x)")
+
+    __str__ = __repr__
+
 
 _name = policy_name
 
@@ -193,6 +214,60 @@ def predicted_peak(profile: StepProfile, n_steps: int, kind: str, slots: Any = 0
     """Bytes the unroll adds at its peak under the memory model of this module (the sum of
     :func:`peak_terms`)."""
     return sum(peak_terms(profile, n_steps, kind, slots).values())
+
+
+def minimum_budget(p: StepProfile, n: int) -> int:
+    """The smallest budget any schedule fits for ``n`` steps: revolve with one slot (a
+    recorded step's working set, adjoints and states, gradients, stacked outputs), and at
+    least what measuring the step held (:attr:`StepProfile.profile_peak`)."""
+    return max(Revolve(1).predicted_peak(p, n), p.profile_peak)
+
+
+def _below_minimum(p: StepProfile, n: int, budget: int) -> BudgetError:
+    minimum = minimum_budget(p, n)
+    return BudgetError(
+        f"the budget {format_bytes(budget)} is below the minimum {format_bytes(minimum)} "
+        f"any schedule needs for {n} steps: one recorded step takes "
+        f"{format_bytes(p.step_bytes)} at its peak (its tape {format_bytes(p.tape_bytes)})"
+        f", adjoints and states {format_bytes(4 * p.state_bytes)}"
+        + (f", the stacked outputs {format_bytes(2 * n * p.output_bytes)}"
+           if p.output_bytes else "")
+        + (f"; measuring the step (a few snapshots and recorded steps in the engine) holds "
+           f"{format_bytes(p.profile_peak)}" if p.profile_peak > Revolve(1).predicted_peak(p, n)
+           else "")
+        + "; raise the budget or shrink the step")
+
+
+def _gate(p: StepProfile, n: int, budget: int) -> bool:
+    """Called from inside the profile once one recorded step is measured: raises when the
+    budget is below the minimum; returns whether it is large enough (8 times what the probe
+    of the engine's units would hold) to measure those units."""
+    if budget < minimum_budget(p, n):
+        raise _below_minimum(p, n, budget)
+    return _warrants_units(p, budget, Revolve(1).predicted_peak(p, n))
+
+
+def _warrants_units(p: StepProfile, budget: int, least: int) -> bool:
+    """Whether to measure the engine's units under ``budget``: always when their probe holds
+    no more than the least any schedule needs (``least``), else when the budget is 8 times
+    what it holds — below that, few units fit and their estimate errs by few bytes."""
+    if p.units_measured:
+        return True
+    estimate = probe_peak(p.state_bytes + 1024, 2 * p.tensors_kept, 2 * p.tensors_kept,
+                          p.state_bytes, max(p.advance_bytes, p.tensors_reverse))
+    return estimate <= least or budget >= 8 * estimate
+
+
+def _refuse_before_profiling(leaves, n: int, budget: int) -> None:
+    """Before any step runs: an unroll holds at least four states (the state being stepped,
+    the final state, its adjoint and the adjoint being pulled)."""
+    floor = 4 * sum(t.numel() * t.element_size() for t in leaves)
+    if budget < floor:
+        raise BudgetError(
+            f"the budget {format_bytes(budget)} is below the minimum any schedule needs for "
+            f"{n} steps: four states alone (the state stepped, x_n and two adjoints) take "
+            f"{format_bytes(floor)}, before the step's own working set; raise the budget "
+            "or shrink the state")
 
 
 def _fixed(p: StepProfile, n: int) -> int:
@@ -307,13 +382,32 @@ def weighed_policies(profile: StepProfile,
 
 def choose(profile: StepProfile, n_steps: int, budget: int,
            slow: SlowLevel | None = None,
-           policies: Sequence[StepProfile] | None = None) -> Plan:
-    """See :func:`_choose`; the chosen plan carries its peak's terms (``Plan.terms``)."""
-    best = _choose(profile, n_steps, budget, slow, policies)
+           policies: Sequence[StepProfile] | None = None, library: int = 0) -> Plan:
+    """See :func:`_choose`; the chosen plan carries its peak's terms (``Plan.terms``).
+
+    ``library``: one-time bytes this call keeps resident beside the schedule
+    (:mod:`.library`); the schedule fits ``budget - library``, and the plan's terms and
+    predicted peak include it."""
+    if library:
+        if library >= budget:
+            raise BudgetError(
+                f"the budget {format_bytes(budget)} cannot hold the one-time library memory "
+                f"of the recomputation policies asked for ({format_bytes(library)}); raise "
+                "the budget or give policy='none'")
+        best = _choose(profile, n_steps, budget - library, slow, policies)
+        best.budget = budget
+    else:
+        best = _choose(profile, n_steps, budget, slow, policies)
     assert best.strategy is not None  # every plan _choose makes has one
     q = next((o for o in policies or () if o.policy == best.policy), profile)
     best.terms = best.strategy.peak_terms(
         q if best.kind in ("store_all", "revolve_tail") else profile, n_steps)
+    if library:
+        best.terms["one-time library memory"] = library
+        best.predicted_peak += library
+        for a in best.alternatives:
+            a.peak += library
+    best.library_bytes = library
     return best
 
 
@@ -362,17 +456,8 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
             alts.append(Alternative(rev.describe(), rev.predicted_peak(p, n),
                                     _time(p, n, adv), True, f"{adv} recomputed steps"))
         return plan
-    if s_rev < 1:
-        minimum = Revolve(1).predicted_peak(p, n)
-        raise BudgetError(
-            f"the budget {format_bytes(budget)} is below the minimum {format_bytes(minimum)} "
-            f"any schedule needs for {n} steps: one recorded step takes "
-            f"{format_bytes(p.step_bytes)} at its peak (its tape {format_bytes(p.tape_bytes)})"
-            f", adjoints and states {format_bytes(4 * p.state_bytes)}"
-            + (f", the stacked outputs {format_bytes(2 * n * p.output_bytes)}"
-               if p.output_bytes else "")
-            + "; raise the budget or shrink the step"
-        )
+    if s_rev < 1 or budget < minimum_budget(p, n):
+        raise _below_minimum(p, n, budget)
     rev = Revolve(s_rev)
     adv = rev.advances(n)
     t_rev = _time(p, n, adv)
@@ -508,17 +593,28 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     dev = device if device is not None else (leaves[0].device if leaves else None)
     nbytes = agree_min(parse_budget(budget, dev), group)
     if dev is None or torch.device(dev).type == "cpu":
-        return_freed_memory()  # RSS must follow the live bytes the budget bounds
-    prof = agree_profile(profile_step(step, state, params=params), group)
+        hold_to_budget(nbytes)  # RSS must follow the live bytes the budget bounds
+    _refuse_before_profiling(leaves, n_steps, nbytes)
+    gate = None if group_size(group) > 1 else functools.partial(_gate, n=n_steps, budget=nbytes)
+    prof = agree_profile(profile_step(step, state, params=params, gate=gate), group)
     if snapshot_dtype is not None:
         prof = dataclasses.replace(prof, snapshot_bytes=snapshot_nbytes(leaves, snapshot_dtype))
     policies, failed = None, []
     candidates: tuple[Any, ...]
+    library = 0
+    skipped = ""
     if policy is None:
         candidates = POLICIES[1:] if predicted_peak(prof, n_steps, "store_all") > nbytes else ()
+        if candidates and not agree_min(int(affordable(nbytes)), group):
+            skipped = (f"recomputation policies not weighed: loading their machinery "
+                       f"(torch._dynamo) would keep about "
+                       f"{format_bytes(policy_machinery())} resident, more than 1/8 of the "
+                       "budget")
+            candidates = ()
     else:
         candidates = () if _name(policy) == "none" else (policy,)
     if candidates:
+        library = agree_max(load_policy_machinery(), group)
         policies = [prof] if policy is None else []
         for q in candidates:
             why = "on another rank"
@@ -536,8 +632,10 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
                 continue
             policies.append(dataclasses.replace(measured, snapshot_bytes=prof.snapshot_bytes))
     slow = agree_level(measure_level(offload, leaves, spill_dir), group) if offload else None
-    result = choose(prof, n_steps, nbytes, slow, policies)
+    result = choose(prof, n_steps, nbytes, slow, policies, library=library)
     result.alternatives.extend(failed)
+    if skipped:
+        result.reason += f"; {skipped}"
     result.snapshot_dtype = snapshot_dtype
     if policy is not None and not isinstance(policy, str) and result.policy != "none":
         result.policy = policy  # the caller's function or op list, for the executor
@@ -591,12 +689,13 @@ def online_snapshots(step, state, budget: int | str, max_steps: int | None = Non
     leaves = pytree.tree_leaves(state)
     nbytes = parse_budget(budget, leaves[0].device if leaves else None)
     if not leaves or leaves[0].device.type == "cpu":
-        return_freed_memory()
-    p = profile_step(step, state, params=params)
+        hold_to_budget(nbytes)
+    p = profile_step(step, state, params=params,
+                     gate=lambda q: _warrants_units(q, nbytes, Revolve(1).predicted_peak(q, 0)))
     # as revolve(1), with the outputs also listed during the forward sweep, and one state
     # more: the online forward holds x_{i-1} beside x_i
-    need = (Revolve(1).predicted_peak(p, max_steps or 0) + (max_steps or 0) * p.output_bytes
-            + p.state_bytes)
+    need = max(Revolve(1).predicted_peak(p, max_steps or 0) + (max_steps or 0) * p.output_bytes
+               + p.state_bytes, p.profile_peak)
     room = nbytes - need
     if room < 0:
         raise BudgetError(
@@ -604,8 +703,8 @@ def online_snapshots(step, state, budget: int | str, max_steps: int | None = Non
             f"unknown-length unroll needs: one recorded step takes {format_bytes(p.step_bytes)}"
             f" at its peak (its tape {format_bytes(p.tape_bytes)}), adjoints and states "
             f"{format_bytes(5 * p.state_bytes)}; raise the budget or shrink the step")
-    slot = snapshot_nbytes(leaves, snapshot_dtype) if snapshot_dtype is not None \
-        else p.state_bytes
+    slot = (snapshot_nbytes(leaves, snapshot_dtype) if snapshot_dtype is not None
+            else p.state_bytes) + p.slot_extra  # a snapshot's objects beside its tensors
     if slot == 0:
         return 1_000_000
     return 1 + int(room // slot)  # x_0's slot is free

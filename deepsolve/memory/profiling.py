@@ -52,6 +52,7 @@ import functools
 import statistics
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,15 +64,19 @@ from ..engine import (
     CompiledPolicy,
     Recorder,
     Step,
+    get_rng,
     graph_leaves,
     policy_context,
     policy_name,
+    pull_back,
     save_expensive,
     save_fft,
     saved_bytes,
 )
-from .live import LiveBytes, heap_in_use
+from . import hostalloc
+from .live import LiveBytes
 from .saved import SavedTensors
+from .units import measure_units, probe_peak
 
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
@@ -111,6 +116,12 @@ class StepProfile:
     saves: int | None = None
     base_reverse_bytes: int | None = None
     t_extra: float | None = None
+    slot_extra: int = 0
+    draws_random: bool = False
+    units_measured: bool = False
+    profile_peak: int = 0
+    tensors_kept: int = 0
+    tensors_reverse: int = 0
 
     @property
     def plain_reverse_bytes(self) -> int:
@@ -130,8 +141,9 @@ class StepProfile:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one snapshot slot holds."""
-        return self.state_bytes if self.snapshot_bytes is None else self.snapshot_bytes
+        """Bytes one snapshot slot holds: its tensors and ``slot_extra``."""
+        return (self.state_bytes if self.snapshot_bytes is None else self.snapshot_bytes) + \
+            self.slot_extra
 
     @property
     def recomputes_all(self) -> bool:
@@ -179,20 +191,33 @@ def _key(step, leaves) -> tuple:
 
 
 def profile_step(step, state, *, params: list[torch.Tensor] | None = None, repeats: int = 3,
-                 cache: bool = True, policy: Any = "none") -> StepProfile:
+                 cache: bool = True, policy: Any = "none",
+                 gate: Callable[[StepProfile], bool] | None = None) -> StepProfile:
     """Measure ``step`` on ``state`` (see :class:`StepProfile`), its recorded step under
     ``policy`` (default ``"none"``: plain autograd). Runs the step ``1 + 2 * repeats`` times
     and the memory measurement (three recorded steps, one backward); under a policy,
     ``repeats`` recorded steps more and the policy's memory measurement. The CPU and CUDA
     random number generators are left as they were, so profiling does not shift a
     stochastic step's stream.
+
+    ``gate(profile)`` is called as soon as one recorded step and its backward are measured
+    (and with a cached profile): a planner raises there when the budget cannot hold one
+    recorded step, before the engine's units, the timings and the policies are measured,
+    and returns whether the budget warrants measuring the engine's units (which holds a few
+    snapshots and recorded steps: :mod:`~deepsolve.memory.units`); when it does not, they
+    are estimated (few fit such a budget, so their error is small in bytes) and measured by
+    a later call whose budget does.
+    On the CPU the profile installs deepsolve's host allocator
+    (:mod:`~deepsolve.memory.hostalloc`) and reads its counters.
     """
     leaves = [state] if isinstance(state, torch.Tensor) else pytree.tree_leaves(state)
     cuda = sorted({t.device.index or 0 for t in leaves
                    if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
     context_fn = policy_context(policy)  # a one-line error for an unknown policy
+    if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in leaves):
+        hostalloc.install()
     with torch.random.fork_rng(devices=cuda):
-        base = _profile_step(step, state, params, repeats, cache)
+        base = _profile_step(step, state, params, repeats, cache, gate)
         if context_fn is None:
             return base
         return _profile_policy(step, state, params, repeats, cache, policy, context_fn, base)
@@ -239,11 +264,10 @@ def _roots_and_inputs(y, out, x_in, params):
 
 @dataclass
 class _Memory:
-    """What :func:`_measure` observed of one recorded step."""
+    """What :func:`_measure` observed of one recorded step (tensor bytes)."""
 
     kept: int = 0
     reverse: int = 0
-    chain: int = 0
     tape: int = 0
     output: int = 0
     grads: int = 0
@@ -252,8 +276,9 @@ class _Memory:
 
 def _measure(record, x: list[torch.Tensor], params, device: torch.device,
              count_tape: bool = True) -> _Memory:
-    """Live bytes of one step recorded by ``record(leaves, i) -> (next, outputs)`` and
-    reversed, and of two chained recorded steps; the tape by :class:`SavedTensors`."""
+    """Live tensor bytes of one step recorded by ``record(leaves, i) -> (next, outputs)``:
+    kept once its forward returns, and at the peak of its backward; the tape by
+    :class:`SavedTensors`."""
     x_in = _fresh(x)
     seeds = [torch.ones_like(t) for t in x]  # lambda_{i+1}: alive before the step
     # the tape: every storage the step saves, freed or not during the step; not the state's
@@ -272,23 +297,6 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
             y, out = record(warm, 0)
         _backward(y, out, warm, params)
         del y, out, warm
-    # what the C library hands out for a kept step and one more chained step: tensors and
-    # the C++ objects of their graph (measured without the profiler, whose event records
-    # are allocated with malloc too)
-    heap: tuple[int, int] | None = None
-    if device.type == "cpu" and heap_in_use() is not None:
-        for _ in range(2):  # the smaller of two: the interpreter's own allocations only add
-            with torch.enable_grad():
-                h0 = heap_in_use()
-                y1, _ = record(_fresh(x), 0)
-                h1 = heap_in_use()
-                y2, out2 = record(y1, 1)
-                h2 = heap_in_use()
-                assert h0 is not None and h1 is not None and h2 is not None  # checked above
-                del y1, y2, out2
-            seen_now = (max(h1 - h0, 0), max(h2 - h1, 0))
-            heap = seen_now if heap is None else (min(heap[0], seen_now[0]),
-                                                  min(heap[1], seen_now[1]))
     with LiveBytes(device) as lb:  # no hooks here: they would add objects of their own
         with torch.enable_grad():
             y, out = record(x_in, 0)
@@ -297,7 +305,7 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
         if roots and inputs:
             seed = [seeds[j] if j < len(y) else torch.ones_like(t)
                     for j, t in enumerate((*y, *out)) if t.requires_grad]
-            grads = torch.autograd.grad(roots, inputs, seed, allow_unused=True)
+            grads = pull_back(roots, inputs, seed)
             del seed
         else:
             grads = ()
@@ -305,22 +313,12 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
         mem.grads = sum(_nbytes(p) for p in found if p.requires_grad)
         del y, out, roots, grads
     mem.measured = lb.measured
-    tensors = lb.at(k)
-    # beside its tensors a kept step holds its autograd graph (C++ nodes, saved-variable
-    # records, tensor metadata): what the C library handed out beyond the tensor bytes
-    objects = max(heap[0] - tensors, 0) if heap is not None else 0
-    mem.kept = tensors + objects
+    mem.kept = lb.at(k)
     # the output seeds were allocated inside the window; in an unroll they are slices of
     # the caller's output gradients, counted with the stacked outputs
-    mem.reverse = max(lb.peak - mem.output, tensors) + objects
+    mem.reverse = max(lb.peak - mem.output, mem.kept)
     assert tape.seen is not None  # record=True
     mem.tape = sum(tape.seen.values())
-    with LiveBytes(device) as lb, torch.enable_grad():
-        y1, _ = record(_fresh(x), 0)
-        y2, out2 = record(y1, 1)
-        k = lb.mark()
-        del y1, y2, out2
-    mem.chain = max(lb.at(k) - tensors, heap[1] if heap is not None else 0, 0)
     return mem
 
 
@@ -342,29 +340,35 @@ def _backward(y, out, x_in, params) -> None:
     """The backward of a recorded step, seeded with ones, gradients discarded."""
     roots, _, inputs = _roots_and_inputs(y, out, x_in, params)
     if roots and inputs:
-        torch.autograd.grad(roots, inputs, [torch.ones_like(t) for t in roots],
-                            allow_unused=True)
+        pull_back(roots, inputs, [torch.ones_like(t) for t in roots])
 
 
 def _estimate(mem: _Memory, state_bytes: int) -> _Memory:
     """Conservative figures from the tape when the working set could not be observed."""
     kept = mem.tape + state_bytes + mem.output
     return dataclasses.replace(mem, kept=kept, reverse=kept + 3 * state_bytes + mem.grads,
-                               chain=kept, measured=False)
+                               measured=False)
 
 
-def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile:
+def _profile_step(step, state, params, repeats: int, cache: bool,
+                  gate: Callable[[StepProfile], bool] | None = None) -> StepProfile:
     leaves, spec = _flatten(state)
     key = _key(step, leaves)
     if cache and (prof := _cached(key, step)) is not None:
+        if gate is not None and gate(prof) and not prof.units_measured:
+            prof = _with_units(prof, step, state, params)  # a budget that warrants them now
+            _store(key, step, prof)
         return prof
     device = leaves[0].device
     cuda = device.type == "cuda"
+    devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
     x = [t.detach() for t in leaves]
     state_bytes = sum(_nbytes(t) for t in x)
+    rng = get_rng(devices)
     with torch.no_grad():
         with LiveBytes(device) as lb:  # the warm-up, measured: the advance's working set
             _call(step, x, spec, 0)
+        draws = _moved(rng, get_rng(devices))
         advance = lb.peak if lb.measured else 3 * state_bytes
         t_adv = []
         for _ in range(repeats):
@@ -377,18 +381,62 @@ def _profile_step(step, state, params, repeats: int, cache: bool) -> StepProfile
     mem = _measure(plain, x, params, device)
     if not mem.measured:
         mem = _estimate(mem, state_bytes)
-    t_rec, t_bwd = zip(*(_timed(plain, x, params, cuda) for _ in range(repeats)), strict=True)
+    # until the engine's units are measured: the tensors, and as much again for the
+    # objects around them (the ratio on the tests' smallest steps is 4:1; where this
+    # estimate is used the budget holds few units, see the gate)
     prof = StepProfile(
         state_bytes=state_bytes, tape_bytes=mem.tape, output_bytes=mem.output,
         grad_bytes=mem.grads, scratch_bytes=max(mem.reverse - mem.kept, 0),
-        t_advance=statistics.median(t_adv), t_record=statistics.median(t_rec),
-        t_backward=statistics.median(t_bwd), device=str(device),
-        kept_bytes=mem.kept, reverse_bytes=mem.reverse, advance_bytes=advance,
-        chain_bytes=mem.chain, measured=mem.measured,
-    )
+        t_advance=statistics.median(t_adv), t_record=0.0, t_backward=0.0,
+        device=str(device), kept_bytes=mem.kept, reverse_bytes=mem.reverse,
+        advance_bytes=advance, chain_bytes=mem.kept, measured=mem.measured,
+        draws_random=draws, profile_peak=max(advance, mem.reverse), tensors_kept=mem.kept,
+        tensors_reverse=mem.reverse)
+    units = True if gate is None else gate(prof)  # one recorded step is known: refuse now
+    t_rec, t_bwd = zip(*(_timed(plain, x, params, cuda) for _ in range(repeats)), strict=True)
+    prof = dataclasses.replace(prof, t_record=statistics.median(t_rec),
+                               t_backward=statistics.median(t_bwd))
+    prof = _with_units(prof, step, state, params) if units else _estimated_units(prof)
     if cache:
         _store(key, step, prof)
     return prof
+
+
+ESTIMATED_OBJECTS = 256 * 1024
+"""Objects counted per recorded step before the engine's units are measured: as much as its
+tensors, at most this (what a budget too small to measure the units holds of them is small
+in bytes; see :func:`profile_step`). Measured: 4 bytes of objects per tensor byte on a
+recorded step of 1 KiB tensors, tens of KiB beside 4 MiB ones."""
+
+
+def _estimated_units(prof: StepProfile) -> StepProfile:
+    """Units from the tensors, and objects estimated (:data:`ESTIMATED_OBJECTS`)."""
+    objects = min(prof.tensors_kept, ESTIMATED_OBJECTS)
+    return dataclasses.replace(
+        prof, kept_bytes=prof.tensors_kept + objects, chain_bytes=prof.tensors_kept + objects,
+        reverse_bytes=prof.tensors_reverse + objects, slot_extra=1024, units_measured=False)
+
+
+def _with_units(prof: StepProfile, step, state, params) -> StepProfile:
+    """``prof`` (tensor figures) completed by the engine's units, objects included."""
+    tensors_kept, tensors_reverse = prof.tensors_kept, prof.tensors_reverse
+    S_ = prof.state_bytes
+    units = measure_units(step, state, params, S_, tensors_kept,
+                          device=torch.device(prof.device))
+    objects = max(units.kept - units.kept_tensors, 0)  # graph nodes, records, rounding
+    return dataclasses.replace(
+        prof, kept_bytes=max(units.kept, tensors_kept), chain_bytes=units.link,
+        reverse_bytes=tensors_reverse + objects,
+        slot_extra=max(units.slot - S_, 0), units_measured=units.measured,
+        profile_peak=max(tensors_reverse + objects, prof.advance_bytes, units.peak if units.peak
+                         else probe_peak(units.slot, units.kept, units.link, S_,
+                                         max(prof.advance_bytes, tensors_reverse + objects))))
+
+
+def _moved(before, after) -> bool:
+    """Whether the random generators' state changed (the step drew random numbers)."""
+    return not (torch.equal(before[0], after[0]) and all(
+        torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True)))
 
 
 def _sync(cuda: bool) -> None:
@@ -460,6 +508,10 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
         mem.tape = max(mem.kept - base.state_bytes - base.output_bytes, 0)
     if not mem.measured:
         mem = _estimate(mem, base.state_bytes)
+    # the engine's kept tape and chain link under the policy, objects included
+    units = measure_units(step, state, params, base.state_bytes, mem.kept, policy=policy,
+                          device=device)
+    objects = max(units.kept - units.kept_tensors, 0)
     # timed interleaved with the plain step, so that the policy's extra time per kept step
     # is a median of paired differences: a load that drifts during profiling cancels
     plain = functools.partial(_record_plain, step, spec)
@@ -475,7 +527,8 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
         base, policy=name, tape_bytes=mem.tape, base_tape_bytes=base.tape_bytes,
         base_reverse_bytes=base.reverse_bytes,
         t_record=statistics.median(t_rec), t_backward=statistics.median(t_bwd),
-        kept_bytes=mem.kept, reverse_bytes=mem.reverse, chain_bytes=mem.chain,
+        kept_bytes=max(units.kept, mem.kept), reverse_bytes=mem.reverse + objects,
+        chain_bytes=units.link,
         scratch_bytes=max(mem.reverse - mem.kept, 0), measured=mem.measured and base.measured,
         saves=saves, t_extra=statistics.median(t_extra))
     if cacheable:

@@ -1,0 +1,302 @@
+"""The engine's bytes per unit: what one snapshot, one kept tape and one link of a plain
+autograd chain really hold, measured by running the engine itself on a short chain.
+
+A budget is real memory, and at small states the bytes beside the tensors *are* the memory.
+A snapshot of a 1 KiB state is also a tensor object, its storage's C++ objects, the C
+library's rounding of the block, and the snapshot's record; a recorded step of 1 KiB tensors
+keeps an autograd node, saved-variable records and tensor metadata for each of its ops.
+Measured on a 1-D Kuramoto–Sivashinsky step with a 1 KiB state: 6.8 KiB per snapshot (a 5
+KiB copy of the CPU generator's state among them, now shared while the step draws no random
+numbers: :class:`~deepsolve.engine.replay.Replay`) and 25.8 KiB per kept tape whose tensors
+are 14 KiB. Whatever scales with the schedule has to be counted as the engine holds it, so it
+is measured by running the engine:
+
+* ``execute`` runs a *probe* schedule on the step (called as step 0 throughout: a step may
+  be defined for its own unroll's indices only): ``k`` snapshots, each stored after one
+  advance, then ``m`` steps recorded and kept (``Record``) — the actions of a revolve and of
+  a recorded tail — and reads what is in use after each action: the C library's in-use
+  bytes (``mallinfo2``) plus the host allocator's mapped blocks
+  (:func:`~deepsolve.memory.live.heap_in_use`); a second pass of the same probe reads
+  Python's own allocations (``tracemalloc``: the tensor objects and the records in lists
+  and tuples, which ``malloc`` does not see);
+* the plain loop of ``store_all`` over ``c`` recorded steps (run as an unroll of unknown
+  length, whose stop condition reads after every step) gives one link of an autograd
+  chain, read the same way.
+
+Per unit: the median difference between consecutive readings after the first unit (the
+first call of a code path allocates caches that are not the unit's), or the mean for
+Python's objects, whose tables grow in steps. What is in use is not all that is resident:
+the C library's free holes between small blocks and Python's partly used pools are counted
+by the factors :data:`HEAP_RESIDENT` and :data:`PYMALLOC_RESIDENT`, measured on the steps
+of the tests (resident set against in-use bytes over 10^3–10^4 units). ``k``, ``m``
+and ``c`` are chosen so that the probe holds about 64 KiB of small units (four to sixteen of
+each), and two snapshots and a single tape or link of larger ones, so that the probe's peak
+stays within a few recorded steps (:func:`probe_peak`; the planner's minimum budget
+includes it).
+
+*One budget, one plan.* The tensor bytes are exact and the same in every process (the host
+allocator's counters); the rest — objects — moves by a few bytes between processes (what
+Python's allocator and the C library do around them), so it is rounded *up* to 1/16 of its
+binary order of magnitude (at most 6.25 % more, see :func:`quantize`): the plan is then a
+function of quantities that do not move.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import threading
+import tracemalloc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..engine import POOL_BELOW, Autocast, autocast_state, execute
+from ..schedules import Schedule
+from ..schedules.actions import Advance, Record, Reverse, Store
+from . import hostalloc
+from .live import heap_in_use
+
+__all__ = ["Units", "measure_units", "quantize", "probe_counts", "probe_peak", "PROBE_BYTES",
+           "HEAP_RESIDENT", "PYMALLOC_RESIDENT"]
+
+PROBE_BYTES = 64 * 1024
+"""Units smaller than this get a second pass that traces Python's objects."""
+
+
+HEAP_RESIDENT = 1 + 1 / 16
+"""Resident bytes per in-use byte of the C library's small blocks (objects, small tensors):
+the free holes between them. Measured: 1.03 on a kept tape of 1 KiB tensors, 0.98–1.00 on a
+chain link and on 64 KiB states."""
+
+PYMALLOC_RESIDENT = 2.0
+"""Resident bytes per traced byte of Python objects (records, tensor objects): Python's
+allocator keeps them in 16 KiB pools that they share with the step's short-lived objects, so
+a pool a long-lived record pins stays resident. Measured: 2.0 on the records of snapshots of
+a 1 KiB state (331 resident bytes against 163 traced)."""
+
+
+def quantize(nbytes: float) -> int:
+    """``nbytes`` rounded up to a multiple of 1/16 of its binary order of magnitude
+    (``2**(floor(log2(x)) - 4)``, at least 16 bytes): at most 6.25 % more, and a quantity
+    that moves by less than a step between processes gives the same number."""
+    if nbytes <= 0:
+        return 0
+    step = max(16, 2 ** (math.floor(math.log2(nbytes)) - 4))
+    return int(math.ceil(nbytes / step) * step)
+
+
+@dataclass(frozen=True)
+class Units:
+    """Bytes the engine holds per unit (tensors and everything around them) and the part of
+    it that is tensors (``*_tensors``; counted by the host allocator, else estimated).
+
+    Attributes:
+        slot: one snapshot the interpreter stores (a state, its objects, its record and,
+            when the step draws random numbers, the generators' state).
+        kept: one recorded step kept for a later reverse (its tape, output and objects).
+        link: one more step of a plain autograd chain (store-all).
+        measured: whether the C library's counts were available (glibc).
+        peak: the most the probe held at once (its tensors' peak, counted by the host
+            allocator, and the objects of the units it held); 0 when not counted.
+    """
+
+    slot: int
+    kept: int
+    link: int
+    slot_tensors: int
+    kept_tensors: int
+    link_tensors: int
+    measured: bool = True
+    peak: int = 0
+
+
+class _Probe(Schedule):
+    """``k`` snapshots after one advance each, then ``m`` kept recordings, then the Reverse
+    that ends the forward sweep; ``read()`` after each unit."""
+
+    kind = "probe"
+
+    def __init__(self, k: int, m: int, read):
+        self.n_steps = k + m
+        self.slots = {0: k + 1}
+        self.k, self.m, self.read = k, m, read
+        self.slot_reads: list = []
+        self.tape_reads: list = []
+
+    def __iter__(self):
+        k, m = self.k, self.m
+        yield Store(0, 0)
+        for i in range(1, k + 1):
+            yield Advance(i - 1, i)
+            yield Store(i, i)
+            self.slot_reads.append(self.read())
+        for j in range(m):
+            yield Record(k + j, k + j + 1)
+            self.tape_reads.append(self.read())
+        yield Reverse(k + m - 1)
+
+
+SINGLE_FROM = 1024 * 1024
+"""Kept tapes of this size and more are measured one at a time (the first one's own
+allocations are then a small part of it); smaller ones two at a time."""
+
+
+def probe_counts(state_bytes: int, kept: int) -> tuple[int, int, int]:
+    """``(k, m, c)``: snapshots, kept recordings and chain links of the probe — sixteen
+    snapshots of a state the engine pools (rows of a block: a few bytes each beside the
+    state), two of a larger one; two recordings and links (one difference after the first,
+    whose own allocations are left out), one from :data:`SINGLE_FROM` on; two links of a
+    chain always (the first one differs: its input is the caller's leaf)."""
+    k = 16 if state_bytes < POOL_BELOW else 2
+    m = 2 if kept < SINGLE_FROM else 1
+    return k, m, 2  # a chain's first link saves less (its input is the caller's leaf)
+
+
+def probe_peak(slot: int, kept: int, link: int, state_bytes: int, working: int) -> int:
+    """An estimate of what the probe holds at its most, before it ran: its snapshots and
+    the kept tapes before the last (or the chain's links before the last), and the working
+    set of the step being recorded beside them."""
+    k, m, c = probe_counts(state_bytes, kept)
+    return max(k * slot + (m - 1) * kept, (c - 1) * link) + working
+
+
+def _per_unit(reads: list, before, mean: bool = False) -> tuple[float, ...]:
+    """Per unit from readings after each unit (``before``: the reading before the first):
+    the median of the differences between consecutive readings after the first unit — the
+    same units allocate the same bytes, and a one-off allocation among them (a cache filled)
+    moves one difference, not the median; or their ``mean``, which spreads the growth of the
+    interpreter's own tables (dicts of snapshots and tapes) over the units."""
+    if len(reads) >= 2:
+        if mean:
+            return tuple((b - a) / (len(reads) - 1) for a, b in zip(reads[0], reads[-1],
+                                                                  strict=True))
+        return tuple(statistics.median(b[j] - a[j] for a, b in zip(reads, reads[1:], strict=False))
+                     for j in range(len(reads[0])))
+    return tuple(b - a for a, b in zip(before, reads[0], strict=True))
+
+
+def _run(step, x0, params, k: int, m: int, c: int, read, policy: Any,
+         mean: bool = False) -> tuple:
+    """One pass: the probe and the chain, read by ``read() -> tuple``; per-unit deltas."""
+    probe = _Probe(k, m, read)
+    collecting = gc.isenabled()
+    gc.disable()  # a collection in the middle would free others' garbage between readings
+    try:
+        if any(t.device.type == "cuda" for t in pytree.tree_leaves(x0)):  # read from CUDA
+            return _probe_and_chain(step, x0, params, k, m, c, read, policy, mean, probe)
+        return _in_fresh_thread(_probe_and_chain, step, x0, params, k, m, c, read, policy,
+                                mean, probe)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _in_fresh_thread(fn, *args):
+    """``fn(*args)`` in a new thread: the C library gives it a malloc arena and a thread
+    cache of its own, so what the probe's blocks cost does not depend on the free blocks
+    this process's history left in the main thread's arena (which varies between processes:
+    the order of frees follows object addresses)."""
+    out: list = []
+    autocast = autocast_state()  # thread-local in PyTorch: carried over
+
+    def run() -> None:
+        try:
+            with Autocast(autocast):
+                out.append((True, fn(*args)))
+        except BaseException as e:  # re-raised in the caller
+            out.append((False, e))
+
+    t = threading.Thread(target=run, name="deepsolve-probe")
+    t.start()
+    t.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _probe_and_chain(user_step, x0, params, k, m, c, read, policy, mean, probe) -> tuple:
+    def step(x, i):  # every unit is step 0: a step may be defined for its unroll's i < n only
+        return user_step(x, 0)
+
+    with torch.enable_grad():
+        y = execute(step, x0, probe, params=params, policy=policy)
+        del y  # the run and everything it holds go with the result
+        chain: list = []
+
+        def links(state, i: int) -> bool:  # the plain loop asks after every step
+            chain.append(read())
+            return i >= c
+
+        y = execute(step, x0, None, until=links, params=params, policy=policy)
+        del y
+    slot = _per_unit(probe.slot_reads, probe.slot_reads[0], mean)
+    kept = _per_unit(probe.tape_reads, probe.slot_reads[-1], mean)
+    link = _per_unit(chain[1:], chain[0], mean)
+    return slot, kept, link
+
+
+def measure_units(step, state, params, state_bytes: int, kept_estimate: int,
+                  policy: Any = None, device: torch.device | None = None) -> Units:
+    """Measure :class:`Units` for ``step`` on ``state`` (a pytree of tensors; leaves that
+    are floating point require grad for the recordings). ``kept_estimate`` sizes the probe
+    (the tensors a recorded step keeps). ``policy``: record kept tapes and the chain under
+    this recomputation policy (the snapshots do not depend on it). On a CUDA ``device`` the
+    budget is device memory: the units are read from CUDA's allocator (tensors only)."""
+    k, m, c = probe_counts(state_bytes, kept_estimate)
+    if device is not None and device.type == "cuda":
+        def cuda() -> tuple[int, int]:
+            torch.cuda.synchronize(device)
+            now = torch.cuda.memory_allocated(device)
+            return now, now
+
+        slot, kept, link = _run(step, state, params, k, m, c, cuda, policy)
+        return Units(*(int(math.ceil(u[0])) for u in (slot, kept, link)),
+                     *(int(math.ceil(u[0])) for u in (slot, kept, link)))
+    counted = hostalloc.active()
+    if heap_in_use() is None:  # no glibc: tensors only, as the allocator counts them
+        return Units(state_bytes, kept_estimate, kept_estimate, state_bytes, kept_estimate,
+                     kept_estimate, measured=False)
+
+    def heap() -> tuple[int, int]:
+        return heap_in_use() or 0, hostalloc.live()
+
+    start = hostalloc.live()
+    hostalloc.reset_peak()
+    slot, kept, link = _run(step, state, params, k, m, c, heap, policy)
+    tensor_peak = hostalloc.peak() - start
+    python = (0.0,), (0.0,), (0.0,)
+    small = min(state_bytes, kept_estimate) < PROBE_BYTES
+    if small:  # Python's objects matter beside small tensors: a second pass, traced
+        tracing = tracemalloc.is_tracing()
+        if not tracing:
+            tracemalloc.start(1)
+        try:
+            python = _run(step, state, params, k, m, c,
+                          lambda: (tracemalloc.get_traced_memory()[0],), policy, mean=True)
+        finally:
+            if not tracing:
+                tracemalloc.stop()
+
+    def unit(h: tuple, py: tuple, tensors_fallback: int) -> tuple[int, int]:
+        total, tensors = h
+        if not counted:
+            tensors = tensors_fallback
+        objects = HEAP_RESIDENT * max(total - tensors, 0) + PYMALLOC_RESIDENT * max(py[0], 0)
+        return int(tensors) + quantize(objects), int(tensors)
+
+    s, s_t = unit(slot, python[0], state_bytes)
+    if state_bytes < POOL_BELOW:  # the engine packs small states into its snapshot pool:
+        # a block of rows allocated once, so a snapshot is its state's bytes in a row plus
+        # what the differences saw (its record and the objects around it)
+        s, s_t = state_bytes + quantize(max(s - s_t, 0)), state_bytes
+    kk, k_t = unit(kept, python[1], kept_estimate)
+    ln, l_t = unit(link, python[2], kept_estimate)
+    peak = 0
+    if counted:  # the tensors' peak, and the objects of the units held beside them
+        peak = tensor_peak + max(k * (s - s_t), m * (kk - k_t), c * (ln - l_t))
+    return Units(s, kk, ln, s_t, k_t, l_t, peak=peak)
