@@ -185,6 +185,7 @@ class Interpreter:
                     self.peak_snap_bytes = self.snap_bytes
                     self._new_snapshot_peak()
                 if self.pool is not None:  # a small state: packed into the pool
+                    assert data is not None  # the state held (checked above)
                     row = self.pool.put(data, a.index)
                     data = None
         else:  # a second storage level (host memory, disk): the backend keeps the data

@@ -42,15 +42,18 @@ environment variable ``DEEPSOLVE_HOST_ALLOCATOR=0`` is set.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["install", "active", "live", "peak", "mapped", "reset_peak", "set_limit", "stats",
+           "mapping",
            "library_path", "build", "BIG_FROM", "why_inactive"]
 
 BIG_FROM = 64 * 1024
@@ -188,6 +191,24 @@ def set_limit(limit: int | None) -> None:
     no budget — no mapping or caching). Empties the cache first."""
     if _lib is not None:
         _lib.ds_set_limit(-1 if limit is None else int(limit))
+
+
+@contextlib.contextmanager
+def mapping() -> Iterator[None]:
+    """Large blocks mapped (whole pages: their sizes the same in every process) for the
+    duration, where no budget maps them already; nothing is cached."""
+    if _lib is None or _lib_limit() >= 0:
+        yield
+        return
+    set_limit(live())
+    try:
+        yield
+    finally:
+        set_limit(None)
+
+
+def _lib_limit() -> int:
+    return stats()["limit"]
 
 
 def stats() -> dict[str, int]:

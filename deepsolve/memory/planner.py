@@ -218,9 +218,10 @@ def predicted_peak(profile: StepProfile, n_steps: int, kind: str, slots: Any = 0
 
 def minimum_budget(p: StepProfile, n: int) -> int:
     """The smallest budget any schedule fits for ``n`` steps: revolve with one slot (a
-    recorded step's working set, adjoints and states, gradients, stacked outputs), and at
-    least what measuring the step held (:attr:`StepProfile.profile_peak`)."""
-    return max(Revolve(1).predicted_peak(p, n), p.profile_peak)
+    recorded step's working set, adjoints and states, gradients, stacked outputs). Measuring
+    the step stays within it: the engine's units are probed only where the probe holds no
+    more than this, or under a budget 8 times what it holds (:func:`_warrants_units`)."""
+    return Revolve(1).predicted_peak(p, n)
 
 
 def _below_minimum(p: StepProfile, n: int, budget: int) -> BudgetError:
@@ -232,17 +233,15 @@ def _below_minimum(p: StepProfile, n: int, budget: int) -> BudgetError:
         f", adjoints and states {format_bytes(4 * p.state_bytes)}"
         + (f", the stacked outputs {format_bytes(2 * n * p.output_bytes)}"
            if p.output_bytes else "")
-        + (f"; measuring the step (a few snapshots and recorded steps in the engine) holds "
-           f"{format_bytes(p.profile_peak)}" if p.profile_peak > Revolve(1).predicted_peak(p, n)
-           else "")
         + "; raise the budget or shrink the step")
 
 
-def _gate(p: StepProfile, n: int, budget: int) -> bool:
+def _gate(p: StepProfile, n: int, budget: int, refuse: bool = True) -> bool:
     """Called from inside the profile once one recorded step is measured: raises when the
-    budget is below the minimum; returns whether it is large enough (8 times what the probe
-    of the engine's units would hold) to measure those units."""
-    if budget < minimum_budget(p, n):
+    budget is below the minimum (``refuse``; not where ranks must first agree on the
+    profile); returns whether it is large enough (8 times what the probe of the engine's
+    units would hold) to measure those units."""
+    if refuse and budget < minimum_budget(p, n):
         raise _below_minimum(p, n, budget)
     return _warrants_units(p, budget, Revolve(1).predicted_peak(p, n))
 
@@ -595,7 +594,7 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     if dev is None or torch.device(dev).type == "cpu":
         hold_to_budget(nbytes)  # RSS must follow the live bytes the budget bounds
     _refuse_before_profiling(leaves, n_steps, nbytes)
-    gate = None if group_size(group) > 1 else functools.partial(_gate, n=n_steps, budget=nbytes)
+    gate = functools.partial(_gate, n=n_steps, budget=nbytes, refuse=group_size(group) == 1)
     prof = agree_profile(profile_step(step, state, params=params, gate=gate), group)
     if snapshot_dtype is not None:
         prof = dataclasses.replace(prof, snapshot_bytes=snapshot_nbytes(leaves, snapshot_dtype))
@@ -694,8 +693,8 @@ def online_snapshots(step, state, budget: int | str, max_steps: int | None = Non
                      gate=lambda q: _warrants_units(q, nbytes, Revolve(1).predicted_peak(q, 0)))
     # as revolve(1), with the outputs also listed during the forward sweep, and one state
     # more: the online forward holds x_{i-1} beside x_i
-    need = max(Revolve(1).predicted_peak(p, max_steps or 0) + (max_steps or 0) * p.output_bytes
-               + p.state_bytes, p.profile_peak)
+    need = (Revolve(1).predicted_peak(p, max_steps or 0) + (max_steps or 0) * p.output_bytes
+            + p.state_bytes)
     room = nbytes - need
     if room < 0:
         raise BudgetError(

@@ -1,25 +1,33 @@
 """Measure one step: the sizes and times the planner weighs.
 
 ``profile_step(step, state)`` runs the step a few times and returns a :class:`StepProfile`.
-Memory is measured as *live bytes* — what the code allocates and still holds — with
-:class:`~deepsolve.memory.live.LiveBytes` (the CUDA allocator's counters; on the CPU the
-allocation events PyTorch's CPU allocator reports to its profiler), so it includes the
-temporaries of the step's forward and the buffers of its backward, not only the tensors
-autograd saves. With ``x`` the input state (already held) and ``lambda`` the adjoint seed
-(allocated before the step, as in the reverse sweep):
+Tensor memory is measured as *live bytes* — what the code allocates and still holds — with
+:class:`~deepsolve.memory.live.LiveBytes` (the counters of CUDA's allocator or of deepsolve's
+host allocator; without it, the allocation events PyTorch's CPU allocator reports to its
+profiler), so it includes the temporaries of the step's forward and the buffers of its
+backward, not only the tensors autograd saves. What the engine holds per snapshot, per kept
+tape and per link of a chain — the tensors *and* the objects around them, which at small
+states are most of the memory — is measured by running the engine itself
+(:mod:`~deepsolve.memory.units`). With ``x`` the input state (already held) and ``lambda``
+the adjoint seed (allocated before the step, as in the reverse sweep):
 
-* ``state_bytes`` S — one state;
+* ``state_bytes`` S — one state (its tensors' bytes);
+* ``slot_bytes`` S' — what one snapshot holds: the state's tensors (or a row of the
+  engine's snapshot pool for a small state), and ``slot_extra`` beside them — its record,
+  the schedule's bookkeeping, the allocator's rounding, and the random generators' state
+  when the step draws random numbers (``draws_random``; a deterministic step's snapshots
+  share one);
 * ``advance_bytes`` A — the peak of one unrecorded (``no_grad``) step beyond its input, its
   output included: the working set of an advance;
-* ``kept_bytes`` K — what one *recorded* step holds once its forward returns: its tape,
-  its output state and per-step outputs (anything else the step leaves alive, too);
+* ``kept_bytes`` K — what one *recorded* step kept for a later reverse holds in the
+  engine: its tape, its output state and per-step outputs, the autograd graph's nodes and
+  records, and the tensor objects;
 * ``reverse_bytes`` M — the peak of recording one step and running its backward (with
-  ``lambda`` as seed): tape, output, temporaries of both passes, the adjoint ``lambda_i`` and
-  the parameter gradients it returns. ``scratch_bytes`` = M − K is the transient of the
-  backward beyond what the forward keeps;
-* ``chain_bytes`` C — what one more recorded step adds to a plain autograd chain (the second
-  of two chained steps; the first one's output is its input): a store-all unroll holds about
-  ``K + (n − 1) C`` before its backward;
+  ``lambda`` as seed): tape, output, temporaries of both passes, the adjoint ``lambda_i``, the
+  parameter gradients it returns, and the recorded step's objects. ``scratch_bytes`` =
+  M − K is the transient of the backward beyond what the forward keeps;
+* ``chain_bytes`` C — what one more recorded step adds to a plain autograd chain, objects
+  included: a store-all unroll holds about ``K + (n − 1) C`` before its backward;
 * ``tape_bytes`` T — the tensors autograd saves for the backward beyond the input and the
   parameters (unique storages packed by ``saved_tensors_hooks``; part of K);
 * ``output_bytes`` O — one step's per-step output (the unroll stacks ``n`` of them);
@@ -38,11 +46,17 @@ one forward (``None`` for the plain profile): a named policy that keeps nothing 
 (``"save_fft"`` on a step without FFTs) is ``"recompute_all"`` in disguise, and the planner
 does not weigh it.
 
+*The same figures in every process.* On the CPU the whole profile runs in a thread of its
+own, with large blocks mapped whole pages: the C library's free blocks from this process's
+history (whose order differs between processes) do not change what the step's blocks cost,
+and the engine's units are medians over identical units, rounded up to 1/16 of their order
+of magnitude. A budget then gives one plan.
+
 Profiles are cached per (step, state shapes, dtypes, device, policy name) so a training loop
 that calls ``unroll(..., budget=...)`` every iteration profiles once; policies given as
-functions or op lists are measured each time. The memory measurement adds one recorded step
-and backward, one chained pair of recorded steps and the profiler's start and stop (about a
-millisecond each) to a profile.
+functions or op lists are measured each time. A profile costs about ten step evaluations,
+three recorded steps with one backward, and the engine's probe (a few snapshots and kept
+recordings, twice for small states).
 """
 
 from __future__ import annotations
@@ -76,7 +90,7 @@ from ..engine import (
 from . import hostalloc
 from .live import LiveBytes
 from .saved import SavedTensors
-from .units import measure_units, probe_peak
+from .units import in_fresh_thread, measure_units, probe_peak
 
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
@@ -94,6 +108,11 @@ class StepProfile:
     kept in a smaller dtype (``None``: a state, ``state_bytes``); the planner sets it, it is
     not measured. ``measured`` is ``False`` when the working set could not be observed (the
     profiler was already running) and K, M, A, C are conservative estimates from the tape.
+
+    ``units_measured`` says whether K, C and ``slot_extra`` come from the engine's probe or
+    are estimated (a budget too small to warrant the probe: few units fit); ``tensors_kept``
+    and ``tensors_reverse`` are K and M of the tensors alone; ``profile_peak`` is the most
+    the profile held at once.
     """
 
     state_bytes: int
@@ -208,14 +227,23 @@ def profile_step(step, state, *, params: list[torch.Tensor] | None = None, repea
     are estimated (few fit such a budget, so their error is small in bytes) and measured by
     a later call whose budget does.
     On the CPU the profile installs deepsolve's host allocator
-    (:mod:`~deepsolve.memory.hostalloc`) and reads its counters.
+    (:mod:`~deepsolve.memory.hostalloc`) and reads its counters, with large blocks mapped,
+    in a thread of its own (:func:`~deepsolve.memory.units.in_fresh_thread`): the figures
+    are then the same in every process.
     """
     leaves = [state] if isinstance(state, torch.Tensor) else pytree.tree_leaves(state)
     cuda = sorted({t.device.index or 0 for t in leaves
                    if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
     context_fn = policy_context(policy)  # a one-line error for an unknown policy
-    if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in leaves):
-        hostalloc.install()
+    if cuda:
+        return _profile(step, state, params, repeats, cache, gate, policy, context_fn, cuda)
+    hostalloc.install()
+    with hostalloc.mapping():  # in a thread of its own: the same figures in every process
+        return in_fresh_thread(_profile, step, state, params, repeats, cache, gate, policy,
+                               context_fn, cuda)
+
+
+def _profile(step, state, params, repeats, cache, gate, policy, context_fn, cuda):
     with torch.random.fork_rng(devices=cuda):
         base = _profile_step(step, state, params, repeats, cache, gate)
         if context_fn is None:

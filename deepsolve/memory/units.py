@@ -17,28 +17,31 @@ is measured by running the engine:
   a recorded tail — and reads what is in use after each action: the C library's in-use
   bytes (``mallinfo2``) plus the host allocator's mapped blocks
   (:func:`~deepsolve.memory.live.heap_in_use`); a second pass of the same probe reads
-  Python's own allocations (``tracemalloc``: the tensor objects and the records in lists
-  and tuples, which ``malloc`` does not see);
+  the objects Python's own allocator serves (``tracemalloc``, requests of 512 bytes or less:
+  the tensor objects and the records in lists and tuples, which ``malloc`` does not see;
+  larger ones come from ``malloc`` and are in its count already);
 * the plain loop of ``store_all`` over ``c`` recorded steps (run as an unroll of unknown
   length, whose stop condition reads after every step) gives one link of an autograd
   chain, read the same way.
 
 Per unit: the median difference between consecutive readings after the first unit (the
-first call of a code path allocates caches that are not the unit's), or the mean for
-Python's objects, whose tables grow in steps. What is in use is not all that is resident:
-the C library's free holes between small blocks and Python's partly used pools are counted
-by the factors :data:`HEAP_RESIDENT` and :data:`PYMALLOC_RESIDENT`, measured on the steps
-of the tests (resident set against in-use bytes over 10^3–10^4 units). ``k``, ``m``
-and ``c`` are chosen so that the probe holds about 64 KiB of small units (four to sixteen of
-each), and two snapshots and a single tape or link of larger ones, so that the probe's peak
-stays within a few recorded steps (:func:`probe_peak`; the planner's minimum budget
-includes it).
+first call of a code path allocates caches that are not the unit's; a tuple or a list taken
+from Python's free lists is not a new allocation, and the median does not see such luck). A
+snapshot also costs what the schedule keeps of it (revolve's frames) and its entry in the
+interpreter's table: :func:`bookkeeping`, measured once on a revolve of 1024 snapshots.
+What is in use is not all that is resident: the C library's free holes between small
+blocks and Python's partly used pools are counted by the factors :data:`HEAP_RESIDENT` and
+:data:`PYMALLOC_RESIDENT`, measured on the steps of the tests (resident set against in-use
+bytes over 10^3–10^4 units). The probe holds sixteen snapshots of a small state and two of a
+larger one, two kept tapes (one from 1 MiB on) and two chain links (:func:`probe_counts`);
+the planner runs it only where it holds no more than the minimum budget, or under a budget
+eight times what it holds (below that few units fit, and they are estimated).
 
-*One budget, one plan.* The tensor bytes are exact and the same in every process (the host
-allocator's counters); the rest — objects — moves by a few bytes between processes (what
-Python's allocator and the C library do around them), so it is rounded *up* to 1/16 of its
-binary order of magnitude (at most 6.25 % more, see :func:`quantize`): the plan is then a
-function of quantities that do not move.
+*One budget, one plan.* The probe runs in a thread of its own (:func:`in_fresh_thread`),
+so the C library serves its blocks from an arena and a thread cache that this process's
+history has not touched: the readings are the same in every process, to the byte. The
+objects' bytes are then rounded *up* to 1/16 of their binary order of magnitude (at most
+6.25 % more, see :func:`quantize`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from __future__ import annotations
 import gc
 import math
 import statistics
+import sys
 import threading
 import tracemalloc
 from dataclasses import dataclass
@@ -61,7 +65,7 @@ from . import hostalloc
 from .live import heap_in_use
 
 __all__ = ["Units", "measure_units", "quantize", "probe_counts", "probe_peak", "PROBE_BYTES",
-           "HEAP_RESIDENT", "PYMALLOC_RESIDENT"]
+           "HEAP_RESIDENT", "PYMALLOC_RESIDENT", "python_objects", "in_fresh_thread", "bookkeeping"]
 
 PROBE_BYTES = 64 * 1024
 """Units smaller than this get a second pass that traces Python's objects."""
@@ -72,11 +76,54 @@ HEAP_RESIDENT = 1 + 1 / 16
 the free holes between them. Measured: 1.03 on a kept tape of 1 KiB tensors, 0.98–1.00 on a
 chain link and on 64 KiB states."""
 
-PYMALLOC_RESIDENT = 2.0
-"""Resident bytes per traced byte of Python objects (records, tensor objects): Python's
-allocator keeps them in 16 KiB pools that they share with the step's short-lived objects, so
-a pool a long-lived record pins stays resident. Measured: 2.0 on the records of snapshots of
-a 1 KiB state (331 resident bytes against 163 traced)."""
+PYMALLOC_RESIDENT = 1.5
+"""Resident bytes per traced byte of Python's pooled objects (records, tensor objects):
+Python's allocator keeps them in pools that they share with the step's short-lived objects,
+and a pool a long-lived record pins stays resident. Measured: 1.0 on snapshot records
+written one after another, about 2 on the tapes of a recorded tail in a cold unroll."""
+
+SMALL_OBJECT = 512
+"""Python's allocator serves requests up to this many bytes from its pools; larger ones go to
+the C library, whose in-use count already sees them."""
+
+
+def python_objects() -> int:
+    """Bytes of the Python objects traced (``tracemalloc``) that Python's own allocator
+    serves (requests of at most :data:`SMALL_OBJECT` bytes)."""
+    return sum(t.size for t in tracemalloc.take_snapshot().traces if t.size <= SMALL_OBJECT)
+
+
+_bookkeeping: int | None = None
+
+
+def bookkeeping() -> int:
+    """Bytes per snapshot that the schedule and the interpreter's table keep beside the
+    engine's record of it: revolve's frames (measured by running ``revolve(2049, 1024)`` to
+    its first reverse step) and an entry of a dict of 1024 snapshots. Measured once per
+    process."""
+    global _bookkeeping
+    if _bookkeeping is None:
+        from ..schedules import revolve
+
+        s = 1024
+        tracing = tracemalloc.is_tracing()
+        if not tracing:
+            tracemalloc.start(1)
+        try:
+            it = iter(revolve(2 * s + 1, s))
+            before, stores = python_objects(), 0
+            for a in it:
+                stores += type(a) is Store
+                if type(a) is Reverse:
+                    break
+            frames = (python_objects() - before) / max(stores, 1)
+            del it
+        finally:
+            if not tracing:
+                tracemalloc.stop()
+        table = sys.getsizeof({(0, i): None for i in range(s)}) / s
+        _bookkeeping = quantize(PYMALLOC_RESIDENT * frames + HEAP_RESIDENT * table)
+    return _bookkeeping
 
 
 def quantize(nbytes: float) -> int:
@@ -188,18 +235,19 @@ def _run(step, x0, params, k: int, m: int, c: int, read, policy: Any,
     try:
         if any(t.device.type == "cuda" for t in pytree.tree_leaves(x0)):  # read from CUDA
             return _probe_and_chain(step, x0, params, k, m, c, read, policy, mean, probe)
-        return _in_fresh_thread(_probe_and_chain, step, x0, params, k, m, c, read, policy,
+        return in_fresh_thread(_probe_and_chain, step, x0, params, k, m, c, read, policy,
                                 mean, probe)
     finally:
         if collecting:
             gc.enable()
 
 
-def _in_fresh_thread(fn, *args):
-    """``fn(*args)`` in a new thread: the C library gives it a malloc arena and a thread
-    cache of its own, so what the probe's blocks cost does not depend on the free blocks
-    this process's history left in the main thread's arena (which varies between processes:
-    the order of frees follows object addresses)."""
+def in_fresh_thread(fn, *args):
+    """``fn(*args)`` in a new thread (autocast settings carried over, exceptions re-raised):
+    the C library gives it a malloc arena and a thread cache of its own, so what the
+    measured blocks cost does not depend on the free blocks this process's history left in
+    the main thread's arena (which varies between processes: the order of frees follows
+    object addresses). Measured figures are then the same in every process."""
     out: list = []
     autocast = autocast_state()  # thread-local in PyTorch: carried over
 
@@ -255,8 +303,8 @@ def measure_units(step, state, params, state_bytes: int, kept_estimate: int,
             return now, now
 
         slot, kept, link = _run(step, state, params, k, m, c, cuda, policy)
-        return Units(*(int(math.ceil(u[0])) for u in (slot, kept, link)),
-                     *(int(math.ceil(u[0])) for u in (slot, kept, link)))
+        s_, k_, l_ = (int(math.ceil(u[0])) for u in (slot, kept, link))
+        return Units(s_, k_, l_, s_, k_, l_)
     counted = hostalloc.active()
     if heap_in_use() is None:  # no glibc: tensors only, as the allocator counts them
         return Units(state_bytes, kept_estimate, kept_estimate, state_bytes, kept_estimate,
@@ -276,8 +324,7 @@ def measure_units(step, state, params, state_bytes: int, kept_estimate: int,
         if not tracing:
             tracemalloc.start(1)
         try:
-            python = _run(step, state, params, k, m, c,
-                          lambda: (tracemalloc.get_traced_memory()[0],), policy, mean=True)
+            python = _run(step, state, params, k, m, c, lambda: (python_objects(),), policy)
         finally:
             if not tracing:
                 tracemalloc.stop()
@@ -291,9 +338,11 @@ def measure_units(step, state, params, state_bytes: int, kept_estimate: int,
 
     s, s_t = unit(slot, python[0], state_bytes)
     if state_bytes < POOL_BELOW:  # the engine packs small states into its snapshot pool:
-        # a block of rows allocated once, so a snapshot is its state's bytes in a row plus
-        # what the differences saw (its record and the objects around it)
-        s, s_t = state_bytes + quantize(max(s - s_t, 0)), state_bytes
+        # a block of rows allocated before the readings, so a snapshot is its state's bytes
+        # in a row plus what the differences saw (its record, the objects around it and the
+        # random generators' state when the step draws random numbers)
+        s, s_t = state_bytes + s, state_bytes + s_t
+    s += bookkeeping()  # what the schedule and the interpreter's table keep per snapshot
     kk, k_t = unit(kept, python[1], kept_estimate)
     ln, l_t = unit(link, python[2], kept_estimate)
     peak = 0

@@ -1,30 +1,38 @@
-"""Child process of tests/test_planner.py: the *real* peak of budgeted unrolls.
+"""Child process of tests/test_planner.py: the *real* peak of budgeted unrolls, cold and warm.
 
-    python tests/data/real_peak.py KIND N_STEPS N_BUDGETS          # measure a budget sweep
-    python tests/data/real_peak.py plans N_STEPS KIND:BUDGET...    # print the plans only
+    python tests/data/real_peak.py call KIND N_STEPS BUDGET     # one budget, cold then warm
+    python tests/data/real_peak.py profile KIND N_STEPS BUDGET  # the first plan alone
+    python tests/data/real_peak.py plans N_STEPS KIND:BUDGET... # print the plans only
 
-``KIND`` is one of three steps of different character, each with a 4 MiB float64 state:
+``KIND`` is one of the steps of :func:`build`: three with 4 MiB float64 states of different
+character, and two small states:
 
 * ``pointwise`` — ``x + 0.01 tanh(w x) sin(x + 1e-3 i)``: memory in pointwise temporaries;
-* ``conv`` — Gray–Scott reaction–diffusion of a batch of 2-field 128² grids, the Laplacian as
-  a depthwise convolution, plus a two-layer 3x3 convolutional closure: convolution buffers;
+* ``conv`` / ``conv32`` — Gray–Scott reaction–diffusion of a batch of 2-field 128² grids, the
+  Laplacian as a depthwise convolution, plus a two-layer 3x3 convolutional closure:
+  convolution buffers (``conv32`` in float32: oneDNN's kernels);
 * ``spectral`` — a pseudo-spectral Allen–Cahn-type step, diffusion by ``rfft2``/``irfft2``
-  with a learnable viscosity: complex intermediates of half the spectrum.
+  with a learnable viscosity: complex intermediates of half the spectrum (``spectral-small``:
+  a 0.5 MiB state);
+* ``ks`` / ``ks64`` — an explicit finite-difference Kuramoto–Sivashinsky step with a learnable
+  coefficient of the fourth-order term, on 128 points (a 1 KiB state) or 8192 (64 KiB):
+  small tensors, where the objects around them are most of the memory.
 
-For each budget from just above the minimum to above store-all (``N_BUDGETS`` of them,
-geometrically spaced) one unroll runs forward and backward; the row reports the plan, its
-predicted peak, the process's real peak (the RSS high-water mark above the resident size just
-before the unroll, reset through /proc/self/clear_refs), the bytes deepsolve tracks, and the
-largest relative gradient error against plain autograd (computed after all measurements, so
-its memory does not mix). The step, the profiles and the planner's policy profiles are warmed
-up before the first measurement: the baseline is a warmed process. One JSON line per row.
+``call``: what a batch job's first iteration does. The step is warmed by one plain forward
+and backward of one step (the user's code, not deepsolve's), then — in a process that has
+imported deepsolve but called nothing of it — the *cold* call: ``unroll(..., budget=BUDGET)``
+and its backward, its real peak the RSS high-water mark above the resident size just before
+it (reset through /proc/self/clear_refs). Then the *warm* call with the same budget, after the
+host allocator's cache of the first is emptied (``hostalloc.set_limit(None)``: its blocks are
+resident but reserved for the budget, as CUDA's caching allocator reserves), measured the same
+way. Then plain autograd over the same steps, for its real peak and the reference gradients
+(largest relative error over the initial state and the parameters). One JSON line.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import math
 import sys
 
 import torch
@@ -32,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import deepsolve
-from deepsolve.memory import predicted_peak
+from deepsolve.memory import hostalloc
 from deepsolve.memory.meter import MemoryMeter, process_status, reset_high_water_mark
 
 MiB = 2**20
@@ -40,7 +48,7 @@ DT = torch.float64
 
 
 def build(kind: str):
-    """``(step, x0, params)`` for one of the three steps; ``x0`` requires grad."""
+    """``(step, x0, params)``; ``x0`` requires grad."""
     torch.manual_seed(0)
     if kind == "pointwise":
         w = nn.Parameter(torch.tensor(1.3, dtype=DT))
@@ -82,21 +90,72 @@ def build(kind: str):
             return x + 1e-3 * (lin - x * x * x + x)
 
         return step, x0.requires_grad_(), [nu]
+    if kind in ("ks", "ks64"):
+        n = 128 if kind == "ks" else 8192
+        length = 22.0
+        dx = length / n
+        dt = dx**4 / 16  # explicit: stable for dt below about dx^4 / 8
+        xs = torch.arange(n, dtype=DT) * dx
+        u0 = torch.cos(2 * torch.pi * xs / length) * (1 + torch.sin(2 * torch.pi * xs / length))
+        nu = nn.Parameter(torch.tensor(1.0, dtype=DT))
+
+        def step(u, i):
+            up, um = torch.roll(u, -1), torch.roll(u, 1)
+            upp, umm = torch.roll(u, -2), torch.roll(u, 2)
+            ux = (up - um) / (2 * dx)
+            uxx = (up - 2 * u + um) / dx**2
+            uxxxx = (upp - 4 * up + 6 * u - 4 * um + umm) / dx**4
+            return u + dt * (-u * ux - uxx - nu * uxxxx)
+
+        return step, u0.requires_grad_(), [nu]
     raise SystemExit(f"unknown step kind {kind!r}")
 
 
-def plain_grads(step, x0, params, n):
-    y = x0
-    for i in range(n):
-        y = step(y, i)
-    return torch.autograd.grad((y**2).sum(), [x0, *params])
+def loss(y: torch.Tensor) -> torch.Tensor:
+    return (y**2).sum()
 
 
-def budgets(prof, n: int, count: int) -> list[int]:
-    """From 5 % above the minimum to 2 % above store-all, geometrically spaced."""
-    lo = predicted_peak(prof, n, "revolve", 1) * 1.05
-    hi = predicted_peak(prof, n, "store_all") * 1.02
-    return [int(lo * (hi / lo) ** (k / (count - 1))) for k in range(count)]
+def measured(fn) -> tuple[int, object]:
+    """``fn()``'s real peak: the RSS high-water mark above the resident size before it."""
+    gc.collect()
+    reset_high_water_mark()
+    base = process_status("VmRSS:")
+    out = fn()
+    return process_status("VmHWM:") - base, out
+
+
+def call(kind: str, n: int, budget: int) -> dict:
+    step, x0, params = build(kind)
+    torch.autograd.grad(loss(step(x0, 0)), [x0, *params])  # the user's own warm-up
+
+    def budgeted(stats):
+        def run():
+            with MemoryMeter("cpu", stats=stats) as meter:
+                y = deepsolve.unroll(step, x0, n, budget=budget, stats=stats)
+                g = torch.autograd.grad(loss(y), [x0, *params])
+            return g, meter.tracked_peak
+        return run
+
+    cold_stats = deepsolve.UnrollStats()
+    real_cold, (grads, tracked) = measured(budgeted(cold_stats))
+    hostalloc.set_limit(None)  # empty the cache the first call reserved
+    warm_stats = deepsolve.UnrollStats()
+    real_warm, _ = measured(budgeted(warm_stats))
+    hostalloc.set_limit(None)
+
+    def plain():
+        y = x0
+        for i in range(n):
+            y = step(y, i)
+        return torch.autograd.grad(loss(y), [x0, *params])
+
+    real_plain, ref = measured(plain)
+    p, q = cold_stats.extra["plan"], warm_stats.extra["plan"]
+    error = max(((a - r).norm() / r.norm()).item() for a, r in zip(grads, ref, strict=True))
+    return {"kind": kind, "n": n, "budget": budget, "plan": p.describe(),
+            "warm_plan": q.describe(), "plan_kind": p.kind, "predicted": p.predicted_peak,
+            "real_cold": real_cold, "real_warm": real_warm, "real_plain": real_plain,
+            "tracked": tracked, "grad_error": error, "host": hostalloc.active()}
 
 
 def main(argv: list[str]) -> None:
@@ -111,40 +170,18 @@ def main(argv: list[str]) -> None:
             print(json.dumps({"kind": kind, "budget": int(b),
                               "plan": deepsolve.plan(step, x0, n, budget=int(b)).describe()}))
         return
-    kind, n = argv[0], int(argv[1])
-    step, x0, params = build(kind)
-    # warm-up, as the first iteration of a training loop: the planner (which also fixes the
-    # C library's heap thresholds), the profiles under each policy, one unroll
-    prof = deepsolve.plan(step, x0, n, budget=2**50).profile
-    sweep = budgets(prof, n, int(argv[2]))
-    mid = int(math.sqrt(sweep[0] * sweep[-1]))
-    deepsolve.plan(step, x0, n, budget=mid)
-    y = deepsolve.unroll(step, x0, n, budget=mid)
-    torch.autograd.grad((y**2).sum(), [x0, *params])
-    del y
-    rows, got = [], []
-    for b in sweep:
-        gc.collect()
-        st = deepsolve.UnrollStats()
-        reset_high_water_mark()
-        base = process_status("VmRSS:")
-        with MemoryMeter("cpu", stats=st) as meter:
-            y = deepsolve.unroll(step, x0, n, budget=b, stats=st)
-            g = torch.autograd.grad((y**2).sum(), [x0, *params])
-            del y
-        real = process_status("VmHWM:") - base
-        p = st.extra["plan"]
-        got.append(g)
-        del g
-        rows.append({"budget": b, "plan": p.describe(), "predicted": p.predicted_peak,
-                     "real": real, "tracked": meter.tracked_peak, "kind": p.kind,
-                     "store_all": predicted_peak(prof, n, "store_all"),
-                     "minimum": predicted_peak(prof, n, "revolve", 1)})
-    ref = plain_grads(step, x0, params, n)
-    for row, g in zip(rows, got, strict=True):
-        row["grad_error"] = max(((a - r).norm() / r.norm()).item()
-                                for a, r in zip(g, ref, strict=True))
-        print(json.dumps(row))
+    if argv[0] == "call":
+        print(json.dumps(call(argv[1], int(argv[2]), int(argv[3]))))
+        return
+    if argv[0] == "profile":  # the first plan alone: profile and planning, cold
+        kind, n, budget = argv[1], int(argv[2]), int(argv[3])
+        step, x0, params = build(kind)
+        torch.autograd.grad(loss(step(x0, 0)), [x0, *params])
+        real, p = measured(lambda: deepsolve.plan(step, x0, n, budget=budget))
+        print(json.dumps({"kind": kind, "budget": budget, "real": real,
+                          "plan": p.describe()}))
+        return
+    raise SystemExit(f"unknown mode {argv[0]!r}")
 
 
 if __name__ == "__main__":
