@@ -60,7 +60,8 @@ __all__ = [
     "SweepStats", "Tape", "UnrollRun", "UnrollStats", "autocast_state", "check_snapshot_dtype",
     "check_truncate",
     "closure_leaves", "codec", "constant_leaves", "cuda_devices", "discover", "execute",
-    "flatten_state", "get_rng", "graph_leaves", "holding", "is_diff", "policy_context",
+    "flatten_state", "get_rng", "graph_leaves", "holding", "is_diff",
+    "policy_context",
     "policy_name", "pull_back", "save_expensive", "save_fft", "saved_bytes", "sequence_marker",
     "set_rng", "snapshot_nbytes", "spec_str", "unflatten", "unseen_leaf",
 ]

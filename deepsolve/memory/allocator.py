@@ -37,7 +37,8 @@ import os
 
 from . import hostalloc
 
-__all__ = ["return_freed_memory", "hold_to_budget", "MMAP_THRESHOLD"]
+__all__ = ["return_freed_memory", "hold_to_budget", "release_budget", "cache_reserve",
+           "MMAP_THRESHOLD"]
 
 MMAP_THRESHOLD = 64 * 1024
 """Bytes from which glibc serves a block with its own mapping once the thresholds are fixed."""
@@ -75,12 +76,28 @@ def return_freed_memory() -> bool:
     return _done
 
 
+def cache_reserve(nbytes: int) -> int:
+    """What the host allocator's cache leaves of a budget of ``nbytes`` to memory it does
+    not govern — the C library's heap of small blocks and objects, Python's pools, what a
+    first call loads: 1/32 of the budget, at least 1 MiB."""
+    return min(int(nbytes), max(int(nbytes) // 32, 2**20))
+
+
 def hold_to_budget(nbytes: int) -> str:
     """Prepare the process for a CPU call that may add ``nbytes`` at its peak: the host
-    allocator with its cache limited to the live bytes now plus ``nbytes`` (the cache is
-    emptied first), or glibc's thresholds fixed where the allocator is unavailable. Returns
-    what holds the heap: ``"host allocator"``, ``"glibc thresholds"`` or ``"nothing"``."""
+    allocator with its cache limited to the live bytes now plus ``nbytes`` less
+    :func:`cache_reserve` (the cache is emptied first: live large blocks are never refused,
+    only cached ones given back), or glibc's thresholds fixed where the allocator is
+    unavailable. Returns what holds the heap: ``"host allocator"``, ``"glibc thresholds"``
+    or ``"nothing"``."""
     if hostalloc.install():
-        hostalloc.set_limit(hostalloc.live() + int(nbytes))
+        hostalloc.set_limit(hostalloc.live() + int(nbytes) - cache_reserve(nbytes))
         return "host allocator"
     return "glibc thresholds" if return_freed_memory() else "nothing"
+
+
+def release_budget() -> None:
+    """No budget to hold (a plan that keeps every step, as plain backpropagation does): the
+    host allocator's cache emptied and large blocks left to the C library, so the process
+    behaves as it would without deepsolve."""
+    hostalloc.set_limit(None)

@@ -69,7 +69,7 @@ from ..engine import (
 )
 from ..schedules import Schedule, mixed_cost, revolve_tail_cost
 from .agree import agree_level, agree_max, agree_min, agree_profile, group_size
-from .allocator import hold_to_budget
+from .allocator import hold_to_budget, release_budget
 from .budget import BudgetError, device_capacity, format_bytes, parse_budget
 from .library import affordable, load_policy_machinery, policy_machinery
 from .offload import DiskStorage
@@ -252,8 +252,9 @@ def _warrants_units(p: StepProfile, budget: int, least: int) -> bool:
     what it holds — below that, few units fit and their estimate errs by few bytes."""
     if p.units_measured:
         return True
-    estimate = probe_peak(p.state_bytes + 1024, 2 * p.tensors_kept, 2 * p.tensors_kept,
-                          p.state_bytes, max(p.advance_bytes, p.tensors_reverse))
+    kept = p.tensors_kept + p.step_objects
+    estimate = probe_peak(p.state_bytes + 1024, kept, kept, p.state_bytes,
+                          max(p.advance_bytes, p.reverse_bytes))
     return estimate <= least or budget >= 8 * estimate
 
 
@@ -638,6 +639,8 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
     result.snapshot_dtype = snapshot_dtype
     if policy is not None and not isinstance(policy, str) and result.policy != "none":
         result.policy = policy  # the caller's function or op list, for the executor
+    if result.kind == "store_all" and result.policy == "none":
+        release_budget()  # plain backpropagation: the C library's own behaviour, no cache
     return result
 
 

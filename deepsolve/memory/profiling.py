@@ -88,9 +88,9 @@ from ..engine import (
     saved_bytes,
 )
 from . import hostalloc
-from .live import LiveBytes
+from .live import LiveBytes, heap_in_use
 from .saved import SavedTensors
-from .units import in_fresh_thread, measure_units, probe_peak
+from .units import HEAP_RESIDENT, in_fresh_thread, measure_units, probe_peak, quantize
 
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
@@ -111,8 +111,9 @@ class StepProfile:
 
     ``units_measured`` says whether K, C and ``slot_extra`` come from the engine's probe or
     are estimated (a budget too small to warrant the probe: few units fit); ``tensors_kept``
-    and ``tensors_reverse`` are K and M of the tensors alone; ``profile_peak`` is the most
-    the profile held at once.
+    and ``tensors_reverse`` are K and M of the tensors alone, ``step_objects`` what the C
+    library counts beside the tensors of one recorded step (its graph's nodes and records);
+    ``profile_peak`` is the most the profile held at once.
     """
 
     state_bytes: int
@@ -141,6 +142,7 @@ class StepProfile:
     profile_peak: int = 0
     tensors_kept: int = 0
     tensors_reverse: int = 0
+    step_objects: int = 0
 
     @property
     def plain_reverse_bytes(self) -> int:
@@ -300,6 +302,7 @@ class _Memory:
     output: int = 0
     grads: int = 0
     measured: bool = True
+    objects: int = 0
 
 
 def _measure(record, x: list[torch.Tensor], params, device: torch.device,
@@ -325,10 +328,13 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
             y, out = record(warm, 0)
         _backward(y, out, warm, params)
         del y, out, warm
+    heap = heap_in_use() if device.type == "cpu" and hostalloc.active() else None
     with LiveBytes(device) as lb:  # no hooks here: they would add objects of their own
         with torch.enable_grad():
             y, out = record(x_in, 0)
         k = lb.mark()
+        if heap is not None:  # the C library's count beyond the tensors: the step's graph
+            mem.objects = max((heap_in_use() or 0) - heap - lb.at(k), 0)
         roots, found, inputs = _roots_and_inputs(y, out, x_in, params)
         if roots and inputs:
             seed = [seeds[j] if j < len(y) else torch.ones_like(t)
@@ -412,14 +418,15 @@ def _profile_step(step, state, params, repeats: int, cache: bool,
     # until the engine's units are measured: the tensors, and as much again for the
     # objects around them (the ratio on the tests' smallest steps is 4:1; where this
     # estimate is used the budget holds few units, see the gate)
+    step_objects = quantize(HEAP_RESIDENT * mem.objects)  # the recorded step's graph
     prof = StepProfile(
         state_bytes=state_bytes, tape_bytes=mem.tape, output_bytes=mem.output,
         grad_bytes=mem.grads, scratch_bytes=max(mem.reverse - mem.kept, 0),
         t_advance=statistics.median(t_adv), t_record=0.0, t_backward=0.0,
-        device=str(device), kept_bytes=mem.kept, reverse_bytes=mem.reverse,
+        device=str(device), kept_bytes=mem.kept, reverse_bytes=mem.reverse + step_objects,
         advance_bytes=advance, chain_bytes=mem.kept, measured=mem.measured,
         draws_random=draws, profile_peak=max(advance, mem.reverse), tensors_kept=mem.kept,
-        tensors_reverse=mem.reverse)
+        tensors_reverse=mem.reverse, step_objects=step_objects)
     units = True if gate is None else gate(prof)  # one recorded step is known: refuse now
     t_rec, t_bwd = zip(*(_timed(plain, x, params, cuda) for _ in range(repeats)), strict=True)
     prof = dataclasses.replace(prof, t_record=statistics.median(t_rec),
@@ -430,35 +437,25 @@ def _profile_step(step, state, params, repeats: int, cache: bool,
     return prof
 
 
-ESTIMATED_OBJECTS = 256 * 1024
-"""Objects counted per recorded step before the engine's units are measured: as much as its
-tensors, at most this (what a budget too small to measure the units holds of them is small
-in bytes; see :func:`profile_step`). Measured: 4 bytes of objects per tensor byte on a
-recorded step of 1 KiB tensors, tens of KiB beside 4 MiB ones."""
-
-
 def _estimated_units(prof: StepProfile) -> StepProfile:
-    """Units from the tensors, and objects estimated (:data:`ESTIMATED_OBJECTS`)."""
-    objects = min(prof.tensors_kept, ESTIMATED_OBJECTS)
-    return dataclasses.replace(
-        prof, kept_bytes=prof.tensors_kept + objects, chain_bytes=prof.tensors_kept + objects,
-        reverse_bytes=prof.tensors_reverse + objects, slot_extra=1024, units_measured=False)
+    """Units from one recorded step — its tensors and the objects the C library counted
+    beside them — where the budget is too small to warrant the engine's probe (few fit)."""
+    kept = prof.tensors_kept + prof.step_objects
+    return dataclasses.replace(prof, kept_bytes=kept, chain_bytes=kept, slot_extra=1024,
+                               units_measured=False)
 
 
 def _with_units(prof: StepProfile, step, state, params) -> StepProfile:
     """``prof`` (tensor figures) completed by the engine's units, objects included."""
-    tensors_kept, tensors_reverse = prof.tensors_kept, prof.tensors_reverse
-    S_ = prof.state_bytes
+    tensors_kept, S_ = prof.tensors_kept, prof.state_bytes
     units = measure_units(step, state, params, S_, tensors_kept,
                           device=torch.device(prof.device))
-    objects = max(units.kept - units.kept_tensors, 0)  # graph nodes, records, rounding
+    working = max(prof.advance_bytes, prof.reverse_bytes)
     return dataclasses.replace(
         prof, kept_bytes=max(units.kept, tensors_kept), chain_bytes=units.link,
-        reverse_bytes=tensors_reverse + objects,
         slot_extra=max(units.slot - S_, 0), units_measured=units.measured,
-        profile_peak=max(tensors_reverse + objects, prof.advance_bytes, units.peak if units.peak
-                         else probe_peak(units.slot, units.kept, units.link, S_,
-                                         max(prof.advance_bytes, tensors_reverse + objects))))
+        profile_peak=max(working, units.peak or probe_peak(units.slot, units.kept, units.link,
+                                                           S_, working)))
 
 
 def _moved(before, after) -> bool:

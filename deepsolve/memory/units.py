@@ -22,7 +22,9 @@ is measured by running the engine:
   larger ones come from ``malloc`` and are in its count already);
 * the plain loop of ``store_all`` over ``c`` recorded steps (run as an unroll of unknown
   length, whose stop condition reads after every step) gives one link of an autograd
-  chain, read the same way.
+  chain, read the same way, and what the backward of the whole chain adds per link when it
+  starts (autograd's engine keeps a record of every node of the graph it runs: about 150
+  bytes a node, several KiB per step of small ops).
 
 Per unit: the median difference between consecutive readings after the first unit (the
 first call of a code path allocates caches that are not the unit's; a tuple or a list taken
@@ -33,7 +35,8 @@ What is in use is not all that is resident: the C library's free holes between s
 blocks and Python's partly used pools are counted by the factors :data:`HEAP_RESIDENT` and
 :data:`PYMALLOC_RESIDENT`, measured on the steps of the tests (resident set against in-use
 bytes over 10^3–10^4 units). The probe holds sixteen snapshots of a small state and two of a
-larger one, two kept tapes (one from 1 MiB on) and two chain links (:func:`probe_counts`);
+larger one, four kept tapes and chain links of small steps, two or one of larger ones
+(:func:`probe_counts`);
 the planner runs it only where it holds no more than the minimum budget, or under a budget
 eight times what it holds (below that few units fit, and they are estimated).
 
@@ -195,12 +198,13 @@ allocations are then a small part of it); smaller ones two at a time."""
 def probe_counts(state_bytes: int, kept: int) -> tuple[int, int, int]:
     """``(k, m, c)``: snapshots, kept recordings and chain links of the probe — sixteen
     snapshots of a state the engine pools (rows of a block: a few bytes each beside the
-    state), two of a larger one; two recordings and links (one difference after the first,
-    whose own allocations are left out), one from :data:`SINGLE_FROM` on; two links of a
-    chain always (the first one differs: its input is the caller's leaf)."""
+    state), two of a larger one; four recordings and links of less than
+    :data:`PROBE_BYTES` (the median of three differences after the first, whose own
+    allocations are left out), two below :data:`SINGLE_FROM`, one from there on; two links
+    of a chain at least (the first one differs: its input is a leaf)."""
     k = 16 if state_bytes < POOL_BELOW else 2
-    m = 2 if kept < SINGLE_FROM else 1
-    return k, m, 2  # a chain's first link saves less (its input is the caller's leaf)
+    m = 4 if kept < PROBE_BYTES else 2 if kept < SINGLE_FROM else 1
+    return k, m, max(m, 2)  # a chain's first link saves less (its input is a leaf)
 
 
 def probe_peak(slot: int, kept: int, link: int, state_bytes: int, working: int) -> int:
@@ -280,11 +284,26 @@ def _probe_and_chain(user_step, x0, params, k, m, c, read, policy, mean, probe) 
             chain.append(read())
             return i >= c
 
-        y = execute(step, x0, None, until=links, params=params, policy=policy)
-        del y
+        leaves = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+                  for t in pytree.tree_leaves(x0)]
+        xg = pytree.tree_unflatten(leaves, pytree.tree_structure(x0))
+        y = execute(step, xg, None, until=links, params=params, policy=policy)
+        # the backward of the whole chain: autograd's engine keeps a record of every node
+        # (its dependencies, what to capture) from its start; read it when it starts
+        roots = [t for t in pytree.tree_leaves(y)
+                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        task = tuple(0.0 for _ in chain[0])
+        if roots:
+            started: list = []
+            roots[0].register_hook(lambda g: started.append(read()))
+            before = read()
+            torch.autograd.grad([r.sum() for r in roots], leaves, allow_unused=True)
+            task = tuple(max(b - a, 0) / c for a, b in zip(before, started[0], strict=True))
+        del y, roots
     slot = _per_unit(probe.slot_reads, probe.slot_reads[0], mean)
     kept = _per_unit(probe.tape_reads, probe.slot_reads[-1], mean)
-    link = _per_unit(chain[1:], chain[0], mean)
+    link = tuple(a + b for a, b in zip(_per_unit(chain[1:], chain[0], mean), task,
+                                       strict=True))
     return slot, kept, link
 
 

@@ -2,6 +2,7 @@
 
     python tests/data/real_peak.py call KIND N_STEPS BUDGET     # one budget, cold then warm
     python tests/data/real_peak.py profile KIND N_STEPS BUDGET  # the first plan alone
+    python tests/data/real_peak.py plain KIND N_STEPS           # plain autograd alone
     python tests/data/real_peak.py plans N_STEPS KIND:BUDGET... # print the plans only
 
 ``KIND`` is one of the steps of :func:`build`: three with 4 MiB float64 states of different
@@ -25,8 +26,10 @@ and its backward, its real peak the RSS high-water mark above the resident size 
 it (reset through /proc/self/clear_refs). Then the *warm* call with the same budget, after the
 host allocator's cache of the first is emptied (``hostalloc.set_limit(None)``: its blocks are
 resident but reserved for the budget, as CUDA's caching allocator reserves), measured the same
-way. Then plain autograd over the same steps, for its real peak and the reference gradients
-(largest relative error over the initial state and the parameters). One JSON line.
+way. Then plain autograd over the same steps for the reference gradients (largest relative
+error over the initial state and the parameters); its real peak (``real_plain``) is measured
+in a fresh process of its own (``plain``): after the calls, the C library's heap holds memory
+they freed, and plain autograd would reuse it unseen. One JSON line.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from torch import nn
 
 import deepsolve
 from deepsolve.memory import hostalloc
-from deepsolve.memory.meter import MemoryMeter, process_status, reset_high_water_mark
+from deepsolve.memory.meter import process_status, reset_high_water_mark
 
 MiB = 2**20
 DT = torch.float64
@@ -130,14 +133,12 @@ def call(kind: str, n: int, budget: int) -> dict:
 
     def budgeted(stats):
         def run():
-            with MemoryMeter("cpu", stats=stats) as meter:
-                y = deepsolve.unroll(step, x0, n, budget=budget, stats=stats)
-                g = torch.autograd.grad(loss(y), [x0, *params])
-            return g, meter.tracked_peak
+            y = deepsolve.unroll(step, x0, n, budget=budget, stats=stats)
+            return torch.autograd.grad(loss(y), [x0, *params])
         return run
 
     cold_stats = deepsolve.UnrollStats()
-    real_cold, (grads, tracked) = measured(budgeted(cold_stats))
+    real_cold, grads = measured(budgeted(cold_stats))
     hostalloc.set_limit(None)  # empty the cache the first call reserved
     warm_stats = deepsolve.UnrollStats()
     real_warm, _ = measured(budgeted(warm_stats))
@@ -155,7 +156,7 @@ def call(kind: str, n: int, budget: int) -> dict:
     return {"kind": kind, "n": n, "budget": budget, "plan": p.describe(),
             "warm_plan": q.describe(), "plan_kind": p.kind, "predicted": p.predicted_peak,
             "real_cold": real_cold, "real_warm": real_warm, "real_plain": real_plain,
-            "tracked": tracked, "grad_error": error, "host": hostalloc.active()}
+            "grad_error": error, "host": hostalloc.active()}
 
 
 def main(argv: list[str]) -> None:
@@ -172,6 +173,20 @@ def main(argv: list[str]) -> None:
         return
     if argv[0] == "call":
         print(json.dumps(call(argv[1], int(argv[2]), int(argv[3]))))
+        return
+    if argv[0] == "plain":  # plain autograd alone in a fresh process: its real peak
+        kind, n = argv[1], int(argv[2])
+        step, x0, params = build(kind)
+        torch.autograd.grad(loss(step(x0, 0)), [x0, *params])
+
+        def plain():
+            y = x0
+            for i in range(n):
+                y = step(y, i)
+            return torch.autograd.grad(loss(y), [x0, *params])
+
+        real, _ = measured(plain)
+        print(json.dumps({"kind": kind, "n": n, "real_plain": real}))
         return
     if argv[0] == "profile":  # the first plan alone: profile and planning, cold
         kind, n, budget = argv[1], int(argv[2]), int(argv[3])
