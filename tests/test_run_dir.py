@@ -178,8 +178,9 @@ def test_a_second_ctrl_c_stops_at_once_and_the_run_still_resumes(tmp_path):
     while proc.poll() is None and time.monotonic() < deadline:   # the handler has run once
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
-    _stop(proc, gate)
+    err = _stop(proc, gate)
     assert proc.returncode == -signal.SIGINT
+    assert err.count("press Ctrl-C again to stop at once") == 1, err   # the first one's note
     assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 3
     assert iterations(out)[:3] == [0, 1, 2]
     assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 9, "--resume") == 0
