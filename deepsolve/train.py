@@ -576,24 +576,29 @@ class _Preemption:
     SIGINT (Ctrl-C) is SIGTERM's twin with two differences. In the set-up, before the first
     iteration starts (``training`` is False), there is nothing to save: it raises
     ``KeyboardInterrupt`` at once and the start is abandoned (a run directory made for it is
-    removed again). In the loop, the first one sets the flag and says so on stderr; SIGINT's
-    default action is then restored, so a second Ctrl-C ends the process at once, like a
-    SIGKILL at that moment: the log and the last restart file stay valid and paired, and
-    ``--resume`` continues from that restart file."""
+    removed again). In the loop, the first one sets the flag and says so on stderr, and a
+    second one stops at once. In the command line's process (``hard_second``) SIGINT's
+    default action is restored after the first, so the second ends the process even inside a
+    long native operation, like a SIGKILL at that moment: the log and the last restart file
+    stay valid and paired, and ``--resume`` continues from that restart file. Called from a
+    program (a notebook, whose kernel must survive) the second raises ``KeyboardInterrupt``
+    instead; the log is closed on the way out, the restart file left as it was."""
 
-    def __init__(self):
+    def __init__(self, hard_second: bool = False):
         self.signal: int | None = None
         self.interrupted = False     # a SIGINT arrived (the CLI exits with 130)
         self.training = False        # the loop has started: SIGINT stops after the iteration
+        self.hard_second = hard_second
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum, frame):
         if signum == signal.SIGINT:
-            if not self.training:
+            if not self.training or self.interrupted:
                 raise KeyboardInterrupt
             self.interrupted = True
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(signal.SIGINT, signal.SIG_DFL)   # the second one: at once
+            if self.hard_second:
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(signal.SIGINT, signal.SIG_DFL)   # the second: at once
             with contextlib.suppress(OSError):
                 os.write(2, b"\ndeepsolve train: interrupted: the iteration in progress "
                             b"finishes, then the restart file is written; press Ctrl-C again "
@@ -941,7 +946,10 @@ def _train(problem_path: str, cfg: RunConfig, dist, out: str | None, resume: boo
     run_dir = out or os.path.join("runs", os.path.splitext(os.path.basename(problem_path))[0])
     log_path = os.path.join(run_dir, "log.h5")
     restart_path = os.path.join(run_dir, "restart.pt")
-    with _Preemption() as stop:   # from here on a SIGTERM stops the run cleanly
+    from . import _cli_start
+
+    # from here on a SIGTERM (or Ctrl-C) stops the run cleanly
+    with _Preemption(hard_second=_cli_start()) as stop:
         lock: _RunLock | None = None
         created = False
         err: BaseException | None = None

@@ -751,3 +751,38 @@ def test_out_at_a_file_is_one_line(tmp_path, capsys):
     assert train(f, "--iterations", 1) == 2
     assert f"--out {f}: cannot make the run directory" in one_line_error(capsys)
     assert np.array_equal(f.read_text(), "x")
+
+
+def test_two_ctrl_c_in_a_program_raise_keyboard_interrupt_and_keep_the_run(tmp_path):
+    """Called from a program (a notebook), the second Ctrl-C raises KeyboardInterrupt rather
+    than ending the process; the log and the restart file still belong together and the
+    caller's SIGINT handler is back."""
+    import threading
+
+    from deepsolve.train import train as train_fn
+
+    out, gate = tmp_path / "run", tmp_path / "gate"
+
+    def press_twice():
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{gate}.waiting") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)
+        gate.touch()
+
+    before = signal.getsignal(signal.SIGINT)
+    presser = threading.Thread(target=press_twice)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_fn(GATED, overrides={"iterations": 9}, out=str(out), quiet=True,
+                     sets=[f"gate={gate}", "gate_at=4", "checkpoint_every=3"])
+    finally:
+        presser.join(timeout=120)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 3
+    assert iterations(out)[:3] == [0, 1, 2]
+    assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 9, "--resume") == 0
+    assert iterations(out) == list(range(9))
