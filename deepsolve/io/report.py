@@ -259,12 +259,13 @@ def summarize(log: LogData) -> str:
         items = [(k, v) for k, v in items if k]
         if items:
             w = min(max(len(k) for k, _ in items), 32)
-            used = _number(log.attrs.get("threads"))
+            ran_with = _number(log.attrs.get("threads"))   # what the run used
             for k, v in items[:40]:
-                if k == "threads" and used is not None and _number(v) != used:
-                    v = f"{int(used)} (used; the setting is {_short(v)}: " + \
-                        ("the default, OMP_NUM_THREADS or 1)" if _number(v) == 0 else "asked)")
-                lines.append(f"  {k:<{w}} = {_short(v, 80)}")
+                shown = _short(v)
+                if k == "threads" and ran_with is not None and _number(v) != ran_with:
+                    why = "the default, OMP_NUM_THREADS or 1" if _number(v) == 0 else "asked"
+                    shown = f"{int(ran_with)} (used; the setting is {shown}: {why})"
+                lines.append(f"  {k:<{w}} = {shown}")
             if len(items) > 40:
                 lines.append(f"  ... ({len(items) - 40} more entries)")
     return "\n".join(lines)
