@@ -160,7 +160,8 @@ class Step:
         except RuntimeError as e:
             if "in-place" not in str(e):
                 raise
-            raise RuntimeError(f"unroll: step {i} modified its input state in place "
+            raise RuntimeError(f"unroll: step {i} modified its input state in place, or "
+                               "another tensor that requires grad "
                                f"({' '.join(str(e).split())[:200]}); a step must return new "
                                "tensors (x = x * a, not x *= a or x.mul_(a))") from None
         changed = [k for k, (t, v) in enumerate(zip(leaves, versions, strict=True))
