@@ -21,34 +21,52 @@ Public surface:
   against store_all, replayed twice, with escaped randomness caught (docs/check.md).
 """
 
-from . import schedules
-from .engine import CompiledPolicy
-from .fixed_point import (
-    Auto,
-    FixedPointError,
-    FixedPointStats,
-    FixedPointWarning,
-    Implicit,
-    Phantom,
-    Unrolled,
-    fixed_point,
-)
-from .gradcheck import check_gradients
-from .memory import BudgetError, Plan, plan
-from .memory.strategies import (
-    Budget,
-    Mixed,
-    Online,
-    Periodic,
-    Revolve,
-    RevolveTail,
-    StoreAll,
-    Strategy,
-    TwoLevel,
-)
-from .problem import Context, Problem
-from .sequential import SequentialStats, sequential
-from .unroll import UnrollStats, unroll
+import sys as _sys
+
+
+def _cli_start() -> bool:
+    """Whether this import starts the command line (``python -m deepsolve`` or the
+    ``deepsolve`` script), where a Ctrl-C during it gets one line, not a traceback."""
+    argv = getattr(_sys, "orig_argv", None) or []
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1] == "deepsolve"
+    return bool(_sys.argv) and _sys.argv[0].rsplit("/", 1)[-1] == "deepsolve"
+
+
+try:
+    from . import schedules
+    from .engine import CompiledPolicy
+    from .fixed_point import (
+        Auto,
+        FixedPointError,
+        FixedPointStats,
+        FixedPointWarning,
+        Implicit,
+        Phantom,
+        Unrolled,
+        fixed_point,
+    )
+    from .gradcheck import check_gradients
+    from .memory import BudgetError, Plan, plan
+    from .memory.strategies import (
+        Budget,
+        Mixed,
+        Online,
+        Periodic,
+        Revolve,
+        RevolveTail,
+        StoreAll,
+        Strategy,
+        TwoLevel,
+    )
+    from .problem import Context, Problem
+    from .sequential import SequentialStats, sequential
+    from .unroll import UnrollStats, unroll
+except KeyboardInterrupt:
+    if not _cli_start():
+        raise
+    print("deepsolve: interrupted", file=_sys.stderr)
+    raise SystemExit(130) from None
 
 __version__ = "0.1.0"
 

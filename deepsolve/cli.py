@@ -36,10 +36,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.problem:
         from .train import plan_problem
 
-        if not args.budget:
-            raise ValueError("plan PROBLEM.py needs --budget (e.g. --budget 2GiB or 80%)")
         overrides = {"steps": args.steps, "threads": args.threads}
-        print(plan_problem(args.problem, budget=args.budget, sets=args.set,
+        print(plan_problem(args.problem, budget=args.budget or None, sets=args.set,
                            overrides=overrides).explain())
         return 0
     if args.steps is None:
@@ -79,7 +77,7 @@ def _check_output_file(option: str, path: str) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .train import PREEMPTED_EXIT_CODE, train
+    from .train import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE, train
 
     overrides = {k: getattr(args, k) for k in ("iterations", "steps", "budget", "snapshots",
                                                "device", "dtype", "seed", "lr", "threads",
@@ -87,12 +85,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     res = train(args.problem, overrides=overrides, sets=args.set, out=args.out,
                 resume=args.resume, quiet=args.quiet,
                 locking=False if args.no_file_locking else None)
+    code = INTERRUPTED_EXIT_CODE if res.interrupted else PREEMPTED_EXIT_CODE
     if res.rank != 0:  # distributed run: rank 0 reports
-        return PREEMPTED_EXIT_CODE if res.preempted else 0
+        return code if res.preempted else 0
     if res.preempted:
-        print(f"stopped by a signal after iteration {res.iterations - 1}; restart file "
-              f"{res.restart_path}; continue with --resume", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+        how = "interrupted" if res.interrupted else "stopped by a signal"
+        when = (f"after iteration {res.iterations - 1}" if res.iterations > 0 else
+                "before its first iteration (while the run was set up)")
+        print(f"{how} {when}; restart file {res.restart_path} (iteration {res.iterations}); "
+              "continue with --resume", file=sys.stderr)
+        return code
     print(f"trained {res.iterations} iterations, final loss {res.final_loss:.4e}")
     if res.metrics:
         print("final metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in res.metrics.items()))
@@ -149,12 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     plan = sub.add_parser("plan", help="show a checkpoint schedule and its cost",
-                          description="With a problem file and --budget: the schedule the "
-                          "planner picks for the problem's unroll and the alternatives it "
-                          "weighed. With --steps/--snapshots: a schedule's cost (advances, "
-                          "recompute factor, peak slots) and, with --show, its diagram.")
+                          description="With a problem file: the schedule the planner picks for "
+                          "the problem's unroll under --budget (default: the problem's own "
+                          "budget setting) and the alternatives it weighed. With "
+                          "--steps/--snapshots: a schedule's cost (advances, recompute factor, "
+                          "peak slots) and, with --show, its diagram.")
     plan.add_argument("problem", nargs="?", help="problem file (problems/NAME.py)")
-    plan.add_argument("--budget", help="memory budget: bytes, 512MiB, 2GB, 12 GiB or 80%%")
+    plan.add_argument("--budget", help="memory budget: bytes, 512MiB, 2GB, 12 GiB or 80%% "
+                      "(default with a problem file: its budget setting)")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a problem setting (repeatable)")
     plan.add_argument("--steps", type=_positive_int, help="number of steps N")
@@ -267,6 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; a Ctrl-C anywhere outside the trainer's loop (argument parsing,
+    imports, loading data) is one line and exit code 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("deepsolve: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     train_args = None

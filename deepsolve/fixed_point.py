@@ -2,7 +2,8 @@ r"""Fixed-point layers: solve ``z* = f(z*)`` and differentiate through the solut
 
 ``z = fixed_point(f, z0)`` iterates a solver (Picard, Anderson or Broyden) without recording
 a graph until the relative residual ``||f(z) - z|| / (||f(z)|| + eps)`` of every batch element
-is below ``tol``, and returns the last iterate ``z_k`` so that it can be differentiated with
+is below ``tol`` (with an absolute residual that has come down: a diverging iterate never
+passes as converged), and returns the last iterate ``z_k`` so that it can be differentiated with
 respect to every tensor ``f`` uses (module parameters, closed-over inputs such as ``x`` in
 ``tanh(W z + x)``). Four backward modes:
 
@@ -397,26 +398,67 @@ class _Result:
     converged: bool
     history: list[float]
     sample: torch.Tensor
+    growing: bool = False    # below tol only because the iterate grew (see _Criterion)
+    abs_residual: float = math.nan
+
+
+def _norms(t: torch.Tensor) -> torch.Tensor:
+    """Per-sample 2-norms of a ``(B, n)`` tensor without overflow: ``m * ||t / m||`` with
+    ``m`` the largest magnitude, so entries near the dtype's maximum (whose squares overflow
+    to inf) give their true, finite norm. inf or NaN entries give inf or NaN."""
+    m = t.abs().amax(dim=-1, keepdim=True)
+    safe = torch.where(torch.isfinite(m) & (m > 0), m, torch.ones_like(m))
+    return (t / safe).norm(dim=-1) * safe[:, 0] + torch.where(torch.isfinite(m[:, 0]),
+                                                               torch.zeros_like(m[:, 0]),
+                                                               m[:, 0])
 
 
 class _Criterion:
+    """The convergence test of one solve. A batch element has converged when
+
+    * its relative residual ``||f(z) - z|| / (||f(z)|| + eps)`` is <= ``tol``, or its
+      absolute residual ``||f(z) - z||`` is <= ``atol``, and
+    * its absolute residual has come down from the start's (or is 0, or <= ``atol``): an
+      iterate that grows without bound has a relative residual that shrinks with ``1/||z||``
+      (``f(z) = z + 1``) while ``f(z) - z`` does not, and is not a fixed point.
+
+    Norms are overflow-safe (:func:`_norms`): an iterate near the dtype's largest value
+    neither overflows the relative residual's denominator to inf (which made the residual 0
+    and "converged") nor passes as finite when it is not."""
+
     def __init__(self, lay: _Layout, tol: float, atol: float, eps: float):
         self.lay, self.tol, self.atol, self.eps = lay, tol, atol, eps
+        self.r0: torch.Tensor | None = None   # the absolute residuals at the start
+        self.growing = False                  # the last call: converged but for growth
+        self.r = math.nan                     # the last call's largest absolute residual
 
-    def __call__(self, z, fz) -> tuple[float, float, torch.Tensor]:
-        """``(effective max residual, max relative residual, relative per sample)``; the
-        effective residual of a batch element is 0 when its absolute residual is <= atol.
-        One host synchronisation."""
+    def __call__(self, z, fz) -> tuple[bool, float, torch.Tensor]:
+        """``(converged, max relative residual, relative per sample)``; the max is NaN or
+        inf when an iterate or f of it is not finite. One host synchronisation."""
         lay = self.lay
         fzf = lay.flat(fz)
-        r = (fzf - lay.flat(z)).norm(dim=-1)
-        rel = r / (fzf.norm(dim=-1) + self.eps)
-        eff = torch.where(r <= self.atol, torch.zeros_like(rel), rel) if self.atol > 0 else rel
+        r = _norms(fzf - lay.flat(z))
+        nf = _norms(fzf)
+        rel = r / (nf + self.eps)
         if rel.numel() == 0:
-            return 0.0, 0.0, rel
-        e, m = torch.stack((eff.max(), rel.max())).tolist()
-        return e, m, rel
-
+            return True, 0.0, rel
+        finite = torch.isfinite(r) & torch.isfinite(nf)
+        rel = torch.where(finite, rel, torch.full_like(rel, math.nan))
+        small = rel <= self.tol
+        if self.atol > 0:
+            small = small | (r <= self.atol)
+        if self.r0 is None:
+            self.r0 = r
+            down = torch.ones_like(small)
+        else:
+            down = (r < self.r0) | (r == 0) | (r <= self.atol)
+        ok = (small & down).all()
+        near = small.all()
+        conv, grow, mx, rmax = torch.stack((ok.to(rel.dtype), (near & ~ok).to(rel.dtype),
+                                            rel.max(), r.max())).tolist()
+        self.growing = bool(grow)
+        self.r = rmax
+        return bool(conv), mx, rel
 
 def _not_finite(where: str, i: int, rel: torch.Tensor, history: list[float]) -> FixedPointError:
     bad = (~torch.isfinite(rel)).nonzero().flatten().tolist()
@@ -437,14 +479,14 @@ def _iterate(f, z0, method, crit: _Criterion, max_iter: int, where: str) -> _Res
         history: list[float] = []
         i = 0
         while True:
-            eff, mx, rel = crit(state[0], state[1])
-            if not (math.isfinite(eff) and math.isfinite(mx)):
+            done, mx, rel = crit(state[0], state[1])
+            if not math.isfinite(mx):
                 raise _not_finite(where, i, rel, history)
             history.append(mx)
-            if eff <= crit.tol:
+            if done:
                 return _Result(state, i, True, history, rel)
             if i == max_iter:
-                return _Result(state, i, False, history, rel)
+                return _Result(state, i, False, history, rel, crit.growing, crit.r)
             state = method.step(f, state, i, inplace=True)
             i += 1
 
@@ -474,8 +516,14 @@ def _report(res: _Result, tol: float, max_iter: int, strict: bool, where: str,
             hint: str = "", stacklevel: int = 3) -> None:
     if res.converged:
         return
-    msg = (f"{where} did not converge in {max_iter} iterations: relative residual "
-           f"{res.history[-1]:.3e} > tol={tol:.1e}{hint}")
+    if res.growing:
+        msg = (f"{where} did not converge in {max_iter} iterations: the relative residual "
+               f"{res.history[-1]:.3e} is below tol={tol:.1e} only because the iterate grew; "
+               f"the absolute residual ||f(z) - z|| ({res.abs_residual:.3e}) has not come down "
+               f"from the start's, so this is no fixed point (f may have none here){hint}")
+    else:
+        msg = (f"{where} did not converge in {max_iter} iterations: relative residual "
+               f"{res.history[-1]:.3e} > tol={tol:.1e}{hint}")
     if strict:
         raise FixedPointError(msg)
     warnings.warn(msg, FixedPointWarning, stacklevel=stacklevel)
@@ -592,8 +640,10 @@ def fixed_point(
             (``beta=1``: damping ``z <- (1 - beta) z + beta f(z)``) or ``"broyden"`` (good
             Broyden, memory ``m=30``). Every solver also takes ``atol=0`` and ``eps=1e-12``.
         tol: relative residual ``||f(z) - z|| / (||f(z)|| + eps)`` to reach in every batch
-            element (or absolute residual ``<= atol``). In float32 ``1e-6`` is near round-off;
-            use ``1e-4``.
+            element (or absolute residual ``<= atol``), with an absolute residual that has
+            come down from the start's: a growing iterate is not a fixed point, however small
+            its relative residual. Norms are overflow-safe. In float32 ``1e-6`` is near
+            round-off; use ``1e-4``.
         max_iter: most solver iterations; ``f`` is evaluated at most ``max_iter + 1`` times.
         backward: a backward mode — :class:`Implicit`, :class:`Unrolled`, :class:`Phantom`
             or :class:`Auto` — or its name ``"implicit"``, ``"unrolled"``, ``"auto"``,
@@ -677,10 +727,10 @@ def fixed_point(
     t0 = time.perf_counter()
     if backward == "unrolled" and grad_on:
         # the solver runs once, inside an unknown-length unroll (online checkpoint schedule)
-        z = _unrolled_until(fn, z0, method, crit, max_iter, ukw, st)
+        z, growing = _unrolled_until(fn, z0, method, crit, max_iter, ukw, st)
         assert st.sample_residuals is not None  # set by _unrolled_until
-        _report(_Result((), st.iterations, st.converged, st.residuals, st.sample_residuals),
-                tol, max_iter, strict, where)
+        _report(_Result((), st.iterations, st.converged, st.residuals, st.sample_residuals,
+                        growing, crit.r), tol, max_iter, strict, where)
         st.forward_time = time.perf_counter() - t0
         return (z, st) if return_stats else z
 
@@ -760,32 +810,32 @@ def _unrolled_until(f, z0, method, crit: _Criterion, max_iter: int, ukw: dict, s
     where = f"fixed_point ({st.solver})"
     state0 = method.init(f, z0)
     with torch.no_grad():
-        eff, mx, rel = crit(state0[0], state0[1])
-    if not (math.isfinite(eff) and math.isfinite(mx)):
+        done, mx, rel = crit(state0[0], state0[1])
+    if not math.isfinite(mx):
         raise _not_finite(where, 0, rel, [])
     history: list[float] = [mx]
-    last: dict[str, Any] = {"eff": eff, "rel": rel}
+    last: dict[str, Any] = {"done": done, "rel": rel, "growing": crit.growing}
 
     def stop(state, i):
         with torch.no_grad():
-            eff, mx, rel = crit(state[0], state[1])
-        if not (math.isfinite(eff) and math.isfinite(mx)):
+            done, mx, rel = crit(state[0], state[1])
+        if not math.isfinite(mx):
             raise _not_finite(where, i, rel, history)
         if i == len(history):
             history.append(mx)
-            last["eff"], last["rel"] = eff, rel
-        return eff <= crit.tol or i >= max_iter  # max_iter: stop, then warn (not an error)
+            last["done"], last["rel"], last["growing"] = done, rel, crit.growing
+        return done or i >= max_iter  # max_iter: stop, then warn (not an error)
 
     def step(state, i):
         return method.step(f, state, i)
 
-    if eff <= crit.tol or max_iter == 0:
+    if done or max_iter == 0:
         z = state0[0]
     else:
         z = unroll(step, state0, None, until=stop, has_output=False, stats=st.unroll,
                    **ukw)[0]
     st.iterations = st.backward_iterations = len(history) - 1
     st.residuals, st.residual = history, history[-1]
-    st.converged = last["eff"] <= crit.tol
+    st.converged = bool(last["done"])
     st.sample_residuals = last["rel"].detach().cpu()
-    return z
+    return z, bool(last["growing"]) and not st.converged

@@ -162,6 +162,12 @@ class GradientCheck:
     title: str = ""
     failed: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def zero_gradient(self) -> list[str]:
+        """The tensors whose reference gradient is identically zero: their rows compare a
+        zero with a zero, so they are not checked (see the note the table prints)."""
+        return [r.name for r in self.rows if r.reached and r.ref_norm == 0]
+
     def table(self) -> str:
         """The per-tensor table, the schedules' legend, the notes and the verdict."""
         labels = list(self.schedules)
@@ -171,6 +177,7 @@ class GradientCheck:
         body = []
         for r in self.rows:
             cells = [r.name, "x".join(map(str, r.shape)) or "scalar",
+                     "0 (not checked)" if r.reached and r.ref_norm == 0 else
                      _num(r.ref_norm) if r.reached else "not reached"]
             for lb in labels:
                 cells.append("error" if lb in self.failed else
@@ -186,7 +193,12 @@ class GradientCheck:
         lines.append(f"relative errors against {self.reference} (rtol {self.rtol:.0e}); "
                      "(result): the unroll's x_n and outputs (the loss for a residual check)")
         lines += [f"note: {n}" for n in self.notes]
-        if self.ok:
+        zero = self.zero_gradient
+        if self.ok and zero:
+            lines.append(f"ok: every non-zero gradient matches ({len(zero)} of {len(self.rows)} "
+                         "tensors have a zero reference gradient and were not checked, see the "
+                         "note), recomputation is deterministic")
+        elif self.ok:
             lines.append("ok: every gradient matches, recomputation is deterministic")
         else:
             lines += [f"MISMATCH: {p}" for p in self.problems]
@@ -194,6 +206,21 @@ class GradientCheck:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _zero_note(rows: list[GradientRow], reference: str) -> list[str]:
+    """The note on tensors whose reference gradient is identically zero."""
+    zero = [r.name for r in rows if r.reached and r.ref_norm == 0]
+    if not zero:
+        return []
+    return [f"{_list(zero)}: the {reference} gradient is identically zero, so "
+            f"{'these are' if len(zero) > 1 else 'this is'} not checked (a zero compared with "
+            "a zero). Nothing flows back to them from this loss at these parameter values: "
+            "typically a layer after them starts at zero (a closure whose last layer is "
+            "initialised to zero, so the model starts as the uncorrected solver, gives every "
+            "earlier layer a zero gradient at first), or they act only where the loss does "
+            "not look. To check them, run the check from parameters where the gradient "
+            "flows (a trained model, other initial values)"]
 
 
 def _num(x: float) -> str:
@@ -583,6 +610,7 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
     if unroll_kwargs.get("snapshot_dtype") is not None:
         notes.append("snapshot_dtype= stores rounded snapshots: those gradients are inexact "
                      "by design")
+    notes += _zero_note(rows, "store_all")
     out = GradientCheck(ok=not problems, n_steps=n_steps, rtol=tol, reference="store_all",
                         schedules=schedules, rows=rows, forward=forward, problems=problems,
                         notes=notes, failed=failed,
@@ -818,6 +846,7 @@ def _check_residuals(problem_path: str, problem, ctx, cfg: RunConfig, terms0, rn
     bad = [r.name for r in rows if not math.isfinite(r.ref_norm)]
     if bad:
         problems.append(f"the plain-autograd gradient of {_list(bad)} is not finite")
+    notes += _zero_note(rows, "plain-autograd")
     return GradientCheck(ok=not problems, n_steps=0, rtol=tol, reference="plain autograd",
                          schedules=schedules, rows=rows, forward=forward, problems=problems,
                          notes=notes,

@@ -4,19 +4,23 @@
 builds its model and data, and runs the optimisation loop. Each iteration appends one row to
 ``RUN_DIR/log.h5`` (loss terms, times, peak memory, step counts, schedule, learning rate,
 gradient norm, metrics); every ``checkpoint_every`` iterations, at the end, and when SIGTERM or
-SIGUSR1 arrives (batch systems send these before killing a job) it flushes the log and then
-writes ``RUN_DIR/restart.pt`` atomically, so the log always holds the restart file's rows.
+SIGUSR1 arrives (batch systems send these before killing a job) or SIGINT (Ctrl-C; a second
+one stops at once) it flushes the log and then writes ``RUN_DIR/restart.pt`` atomically, so
+the log always holds the restart file's rows.
 
 Before any work — loading data, building the model, making the run directory — the
 settings become one frozen :class:`~deepsolve.config.RunConfig` (:func:`resolve_config`):
 every setting checked, the budget, device, dtype and thread count parsed, so a bad
 ``--budget``, ``--device`` or ``--set`` is a one-line error that leaves nothing behind. A
-``build`` that raises leaves no run directory either (the one this run made is removed).
+fresh run that fails before its first row (a ``build`` that raises, a ``BudgetError`` at the
+first iteration, a Ctrl-C in the set-up) leaves no run directory either (the one this run
+made is removed, by the trainer that made it and holds its lock).
 
 A run directory has one writer (an exclusive ``flock`` on it, released by the kernel however
 the trainer ends). A start decides from what the directory holds, before changing anything:
 no restart file — start at iteration 0 (a log without one, from a run stopped before its first
-restart file, is replaced); a restart file — refused without ``--resume``; with it, the file's
+restart file, is replaced; with neither, ``--resume`` is refused: nothing to resume); a
+restart file — refused without ``--resume``; with it, the file's
 fields are checked (types, ranges, iteration <= the log's rows) and matched against the run
 (model keys and shapes, optimiser groups, RNG states) before the log is touched, then the log
 rows after it are dropped, so the iteration column stays complete and strictly increasing.
@@ -36,6 +40,7 @@ import random
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -63,13 +68,18 @@ from .memory.meter import host_high_water_mark, process_status, reset_high_water
 from .memory.strategies import Budget
 from .problem import Context, Problem, ProblemError, load_problem
 
-__all__ = ["train", "TrainResult", "PREEMPTED_EXIT_CODE", "plan_problem", "RestartError",
+__all__ = ["train", "TrainResult", "PREEMPTED_EXIT_CODE", "INTERRUPTED_EXIT_CODE",
+           "plan_problem", "RestartError",
            "RunDirBusy", "save_restart", "load_restart", "remove_stale_temporaries",
            "RunConfig", "ConfigError", "resolve_config", "DEFAULT_THREADS"]
 
 #: Exit code of a run stopped by SIGTERM/SIGUSR1 after writing its restart file
 #: (EX_TEMPFAIL: "try again"); a batch script requeues on it.
 PREEMPTED_EXIT_CODE = 75
+
+#: Exit code of a run stopped by SIGINT (Ctrl-C), after writing its restart file or, in its
+#: set-up, before anything was trained (128 + SIGINT, what a shell reports for Ctrl-C).
+INTERRUPTED_EXIT_CODE = 130
 
 _DTYPES = DTYPES   # the dtype names a run may use (deepsolve.config.DTYPES)
 
@@ -86,6 +96,7 @@ class TrainResult:
     preempted: bool = False
     rank: int = 0            # this process's rank in a distributed run (only rank 0 writes)
     metrics: dict[str, float] = field(default_factory=dict)  # the last evaluate()'s values
+    interrupted: bool = False  # stopped by SIGINT (Ctrl-C): the CLI exits with 130
 
 
 def resolve_config(problem: Problem, overrides: Mapping[str, Any] | None = None,
@@ -214,9 +225,24 @@ _TYPES: dict[str, tuple[type, ...]] = {
 
 
 def load_restart(path: str) -> dict[str, Any]:
-    """Load a restart file (``torch.load(weights_only=True)``) and check its fields: a dict
+    """Load a restart file (``torch.load(weights_only=True)``; a FIFO, device or directory is
+    refused before it is opened) and check its fields: a dict
     with ``iteration`` (an int >= 0), ``model``, ``optimizer`` and ``rng`` (dicts), and the
     optional fields of the right types. Raises :class:`RestartError` (one line)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise RestartError(f"--resume: no restart file at {path}") from None
+    except OSError as e:
+        raise RestartError(f"{path}: cannot read the restart file "
+                           f"({e.strerror or ' '.join(str(e).split())})") from None
+    if not stat.S_ISREG(st.st_mode):   # a FIFO would block the open, a device read forever
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else \
+            "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
+            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else \
+            "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file"
+        raise RestartError(f"{path}: not a regular file ({what}); a restart file is a regular "
+                           "file written by deepsolve: move it away to start the run over")
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
@@ -299,12 +325,88 @@ def _model_mismatch(model: torch.nn.Module, sd: Mapping[str, Any]) -> str | None
 
 _PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
                  "acc_delta", "sum")
+#: Per-parameter optimizer state that is >= 0 by construction (second moments, sums of
+#: squares; Adam's step count).
+_NONNEGATIVE_STATE = ("step", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum")
+#: Hyperparameters in [0, 1) (each entry of ``betas``) or [0, 1].
+_UNIT_OPEN = ("betas",)
+_UNIT_CLOSED = ("momentum", "dampening", "rho")
+
+
+def _scalar(v: Any) -> Any:
+    """A one-element tensor as its Python number; anything else as it is."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1:
+        return v.item()
+    return v
+
+
+def _bad_setting(key: str, own: Any, got: Any) -> str | None:
+    """Why ``got`` (a restart's value of the setting ``key``) cannot stand for ``own`` (the
+    value the optimizer the problem builds has): a different type, a sign or a range that
+    value cannot have, NaN; ``None`` when it fits."""
+    own, got = _scalar(own), _scalar(got)
+    shown = " ".join(repr(got).split())[:40]
+    if own is None:                     # e.g. foreach=None: torch decides
+        return None
+    if isinstance(own, bool):
+        return None if isinstance(got, bool) else f"is {shown}, not true or false"
+    if isinstance(own, (int, float)):
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            return f"is {type(got).__name__} {shown}, not a number"
+        if isinstance(own, int) and not isinstance(got, int):
+            return f"is {shown}, not an integer"
+        if math.isfinite(own) and not math.isfinite(got):
+            return f"is {shown}, not a finite number"
+        if own >= 0 > got:
+            return f"is {shown}, negative (the optimizer's is {own!r})"
+        if key in _UNIT_OPEN and not 0 <= got < 1:
+            return f"is {shown}, outside [0, 1)"
+        if key in _UNIT_CLOSED and not 0 <= got <= 1:
+            return f"is {shown}, outside [0, 1]"
+        return None
+    if isinstance(own, (tuple, list)):
+        if not isinstance(got, (tuple, list)) or len(got) != len(own):
+            return f"is {shown}, not {len(own)} values like the optimizer's {own!r}"
+        for a, b in zip(own, got, strict=True):
+            why = _bad_setting(key, a, b)
+            if why:
+                return f"is {shown}: an entry {why.removeprefix('is ')}"
+        return None
+    if isinstance(own, str) and not isinstance(got, str):
+        return f"is {type(got).__name__} {shown}, not a string"
+    return None
+
+
+def _bad_param_state(entry: Mapping, pid: Any, at: str) -> str | None:
+    """What is wrong with one parameter's optimizer state (moments, step count): non-finite
+    values, or negative ones where they cannot be."""
+    for k, v in entry.items():
+        tensors = [v] if isinstance(v, torch.Tensor) else \
+            [t for t in v if isinstance(t, torch.Tensor)] if isinstance(v, (list, tuple)) else []
+        for t in tensors:
+            if t.is_floating_point() or t.is_complex():
+                if not bool(torch.isfinite(t).all()):
+                    return f"the optimizer's {k} of parameter {pid}{at} is not finite (NaN/inf)"
+            if k in _NONNEGATIVE_STATE and not t.is_complex() and t.numel() and \
+                    bool((t < 0).any()):
+                return (f"the optimizer's {k} of parameter {pid}{at} is negative "
+                        f"({float(t.min()):.4g}); it is >= 0 in any run")
+        if k == "step" and not isinstance(v, torch.Tensor):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
+                    not math.isfinite(v) or v < 0:
+                return (f"the optimizer's step of parameter {pid}{at} is "
+                        f"{' '.join(repr(v).split())[:40]}, not a count >= 0")
+    return None
 
 
 def _optimizer_mismatch(optimizer: Any, own: Mapping, got: Any, where: str = "") -> str | None:
     """What does not fit between an optimizer's own state dict and a restart's; None if
-    nothing visible. Standard ``torch.optim`` layouts are compared group by group (and the
-    per-parameter moment buffers by shape); other layouts by their keys."""
+    nothing visible. Standard ``torch.optim`` layouts are compared group by group: the
+    parameter mapping (the parameters' numbers in the groups, which torch's ``state_dict``
+    writes as 0, 1, 2, ... in group order), every hyperparameter (type, sign, range,
+    finite), the per-parameter moment buffers (shape, finite, >= 0 where they cannot be
+    negative). Other layouts are compared by their keys, recursively, and their number,
+    boolean and string entries as hyperparameters."""
     at = f" ({where[:-1]})" if where else ""
     if not isinstance(got, Mapping):
         return f"the optimizer state{at} is a {type(got).__name__}, not a dict"
@@ -316,6 +418,7 @@ def _optimizer_mismatch(optimizer: Any, own: Mapping, got: Any, where: str = "")
             return (f"the optimizer state{at} has {len(groups)} parameter group(s), the "
                     f"optimizer {len(own['param_groups'])}")
         ids: list[Any] = []
+        own_ids: list[Any] = []
         for i, (g, o) in enumerate(zip(groups, own["param_groups"], strict=True)):
             if not isinstance(g, Mapping) or not isinstance(g.get("params"), list):
                 return f"parameter group {i} of the optimizer state{at} has no 'params' list"
@@ -323,6 +426,26 @@ def _optimizer_mismatch(optimizer: Any, own: Mapping, got: Any, where: str = "")
                 return (f"parameter group {i} of the optimizer state{at} holds "
                         f"{len(g['params'])} parameters, the optimizer {len(o['params'])}")
             ids.extend(g["params"])
+            own_ids.extend(o["params"])
+            for key, value in o.items():
+                if key in ("params", "param_names") or key not in g:
+                    continue   # (a key an older torch did not write: its __setstate__ fills it)
+                why = _bad_setting(key, value, g[key])
+                if why:
+                    return f"the optimizer's {key} in parameter group {i}{at} {why}"
+        if ids != own_ids:
+            return (f"the optimizer state's parameter mapping{at} {_names(list(map(str, ids)))} "
+                    f"is not the optimizer's {_names(list(map(str, own_ids)))} (its moments "
+                    "would go to other parameters)")
+        extra = [str(k) for k in st if k not in set(own_ids)]
+        if extra:
+            return (f"the optimizer state{at} has entries for parameters {_names(extra)}, which "
+                    "the optimizer does not have")
+        for pid, entry in st.items():
+            if isinstance(entry, Mapping):
+                why = _bad_param_state(entry, pid, at)
+                if why:
+                    return why
         if not where and hasattr(optimizer, "param_groups"):
             params = [p for g in optimizer.param_groups for p in g["params"]]
             if len(params) == len(ids):
@@ -342,8 +465,25 @@ def _optimizer_mismatch(optimizer: Any, own: Mapping, got: Any, where: str = "")
     for k, v in own.items():
         if isinstance(v, Mapping):
             r = _optimizer_mismatch(optimizer, v, got[k], f"{where}{k}.")
-            if r:
-                return r
+        elif isinstance(v, (bool, int, float, str, torch.Tensor)):
+            why = _bad_setting(str(k), v, got[k])
+            r = f"the optimizer's {k}{at} {why}" if why else None
+        else:
+            r = None
+        if r:
+            return r
+    return None
+
+
+def _model_not_finite(model: torch.nn.Module, sd: Mapping[str, Any]) -> str | None:
+    """The first entry of a restart's model state with NaN/inf where the model the problem
+    builds has finite values."""
+    for k, v in model.state_dict().items():
+        w = sd.get(k)
+        if isinstance(w, torch.Tensor) and (w.is_floating_point() or w.is_complex()) and \
+                not bool(torch.isfinite(w).all()) and bool(torch.isfinite(v).all()):
+            bad = "NaN" if bool(torch.isnan(w).any()) else "inf"
+            return f"{k} holds {bad} (the file is damaged or was edited)"
     return None
 
 
@@ -368,6 +508,9 @@ def _restore(path: str, state: dict[str, Any], problem: Problem, ctx: Context, m
     why = _model_mismatch(model, state["model"])
     if why:
         raise fail(f"the model state has {why}")
+    why = _model_not_finite(model, state["model"])
+    if why:
+        raise fail(f"the model state's {why}")
     why = _optimizer_mismatch(optimizer, optimizer.state_dict(), state["optimizer"])
     if why:
         raise fail(why)
@@ -428,17 +571,44 @@ def _note(msg: str) -> None:
 
 
 class _Preemption:
-    """SIGTERM/SIGUSR1 set a flag; the loop finishes the iteration, saves, and exits."""
+    """SIGTERM/SIGUSR1/SIGINT set a flag; the loop finishes the iteration, saves, and exits.
 
-    def __init__(self):
+    SIGINT (Ctrl-C) is SIGTERM's twin with two differences. In the set-up, before the first
+    iteration starts (``training`` is False), there is nothing to save: it raises
+    ``KeyboardInterrupt`` at once and the start is abandoned (a run directory made for it is
+    removed again). In the loop, the first one sets the flag and says so on stderr, and a
+    second one stops at once. In the command line's process (``hard_second``) SIGINT's
+    default action is restored after the first, so the second ends the process even inside a
+    long native operation, like a SIGKILL at that moment: the log and the last restart file
+    stay valid and paired, and ``--resume`` continues from that restart file. Called from a
+    program (a notebook, whose kernel must survive) the second raises ``KeyboardInterrupt``
+    instead; the log is closed on the way out, the restart file left as it was."""
+
+    def __init__(self, hard_second: bool = False):
         self.signal: int | None = None
+        self.interrupted = False     # a SIGINT arrived (the CLI exits with 130)
+        self.training = False        # the loop has started: SIGINT stops after the iteration
+        self.hard_second = hard_second
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum, frame):
-        self.signal = signum
+        if signum == signal.SIGINT:
+            if not self.training or self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+            if self.hard_second:
+                with contextlib.suppress(ValueError, OSError):
+                    signal.signal(signal.SIGINT, signal.SIG_DFL)   # the second: at once
+            with contextlib.suppress(OSError):
+                os.write(2, b"\ndeepsolve train: interrupted: the iteration in progress "
+                            b"finishes, then the restart file is written; press Ctrl-C again "
+                            b"to stop at once (--resume then continues from the last restart "
+                            b"file)\n")
+        if self.signal is None:
+            self.signal = signum
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             try:
                 self._old[sig] = signal.signal(sig, self._handler)
                 # restart interrupted system calls (SA_RESTART): a signal that arrives while
@@ -451,7 +621,8 @@ class _Preemption:
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
-            signal.signal(sig, old)
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(sig, old)
 
 
 def _git_commit(path: str) -> str:
@@ -587,11 +758,17 @@ class _RunLock:
     def __init__(self, run_dir: str, locking: bool | None):
         self.run_dir = run_dir
         self.fd: int | None = None
+        self.path: str | None = None   # the locked file: None for the directory itself
         self.held = False
+        self.gone = False              # the directory vanished before it could be opened
         err: OSError | None = None
         for path, flags in ((run_dir, os.O_RDONLY | os.O_DIRECTORY),
                             (os.path.join(run_dir, self.LOCK_FILE), os.O_RDWR | os.O_CREAT)):
-            fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+            try:
+                fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:   # removed since it was made: the caller makes it again
+                self.gone = True
+                return
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -607,6 +784,7 @@ class _RunLock:
                 err = e
                 continue
             self.fd, self.held = fd, True
+            self.path = None if path == run_dir else path
             return
         if locking is False:
             return
@@ -614,6 +792,20 @@ class _RunLock:
         raise ValueError(f"{run_dir}: cannot lock the run directory ({why}); the filesystem "
                          "does not support locks: retry with --no-file-locking (and make sure "
                          "no other trainer writes it)")
+
+    def on(self, run_dir: str) -> bool:
+        """Whether the locked file is still the one at its path (not removed or replaced
+        since it was opened); True without a lock."""
+        if self.gone:
+            return False
+        if self.fd is None:
+            return True
+        path = self.path if self.path is not None else run_dir
+        try:
+            a, b = os.fstat(self.fd), os.stat(path)
+        except OSError:
+            return False
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -686,9 +878,11 @@ def _inspect_run_dir(run_dir: str, log_path: str, restart_path: str, resume: boo
     """Decide how to start from what the directory holds; one-line errors. Nothing is
     changed here: the restart file's fields and the log's rows are checked first.
 
-    * no restart file: the run starts at iteration 0, with or without ``--resume``; a log
-      without a restart file (a run stopped before its first one) cannot be continued and is
-      replaced by the new run's log, with a note saying so;
+    * nothing (no log, no restart file): a fresh run starts at iteration 0; ``--resume`` is
+      refused (a mistyped ``--out`` must not start a new run in silence);
+    * a log but no restart file (a run stopped before its first one): it cannot be
+      continued; the run starts at iteration 0, with or without ``--resume``, and the log
+      is replaced by the new run's, with a note saying so;
     * a restart file and no ``--resume``: refused (``--resume`` continues it);
     * ``--resume`` with a restart file at iteration k: the log must hold iterations 0..k-1;
       its rows after them are dropped (they are re-run).
@@ -707,6 +901,10 @@ def _inspect_run_dir(run_dir: str, log_path: str, restart_path: str, resume: boo
                              f"{run_dir} can be continued: move log.h5 away, or give another "
                              "--out")
         n = 0 if rows is None else len(rows)
+        if resume and rows is None:
+            raise ValueError(f"--resume: {run_dir} holds no run to resume (no log.h5, no "
+                             "restart.pt); check --out, or run without --resume for a fresh "
+                             "run")
         if resume:
             _note(f"--resume: {run_dir} holds no restart file (the run stopped before its "
                   f"first one): starting from iteration 0"
@@ -748,32 +946,38 @@ def _train(problem_path: str, cfg: RunConfig, dist, out: str | None, resume: boo
     run_dir = out or os.path.join("runs", os.path.splitext(os.path.basename(problem_path))[0])
     log_path = os.path.join(run_dir, "log.h5")
     restart_path = os.path.join(run_dir, "restart.pt")
-    with _Preemption() as stop:   # from here on a SIGTERM stops the run cleanly
+    from . import _cli_start
+
+    # from here on a SIGTERM (or Ctrl-C) stops the run cleanly
+    with _Preemption(hard_second=_cli_start()) as stop:
         lock: _RunLock | None = None
         created = False
-        err: Exception | None = None
+        err: BaseException | None = None
         run = _RunState()
         if main:   # rank 0 alone writes, so it alone locks and checks the directory
             try:
-                created = not os.path.isdir(run_dir)
-                try:
-                    os.makedirs(run_dir, exist_ok=True)
-                except OSError as e:
-                    raise ValueError(f"--out {run_dir}: cannot make the run directory "
-                                     f"({e.strerror or e})") from None
-                lock = _RunLock(run_dir, locking)
+                if resume and not os.path.isdir(run_dir):
+                    raise ValueError(f"--resume: {run_dir} does not exist, so there is no run "
+                                     "to resume; check --out, or run without --resume for a "
+                                     "fresh run")
+                created, lock = _make_and_lock(run_dir, locking)
                 remove_stale_temporaries(run_dir, all_of_them=lock.held)
                 remove_stale_spill_dirs()
                 run = _inspect_run_dir(run_dir, log_path, restart_path, resume,
                                        int(cfg["iterations"]))
-            except Exception as e:
+            except BaseException as e:
                 err = e
-        failed = D.any_rank(dist, err is not None, cfg.device)
+        try:
+            failed = D.any_rank(dist, err is not None, cfg.device)
+        except BaseException:
+            failed = True
+            if err is None:
+                raise
         if failed or err is not None:
-            if lock is not None:
+            if lock is not None:   # a directory is removed only by the trainer that made it
+                if created:        # and holds its lock (another may have locked it first)
+                    _remove_empty_dir(run_dir)
                 lock.release()
-            if created:
-                _remove_empty_dir(run_dir)
             if err is not None:
                 raise err
             raise ValueError(f"rank 0 could not start the run in {run_dir} (see its message)")
@@ -781,11 +985,48 @@ def _train(problem_path: str, cfg: RunConfig, dist, out: str | None, resume: boo
             state = load_restart(restart_path)   # rank 0 has checked it against the log
             run = _RunState(start=state["iteration"], restart=state)
         try:
-            return _run(problem_path, cfg, dist, run, run_dir, log_path, restart_path, quiet,
-                        locking, stop, created)
+            res = _run(problem_path, cfg, dist, run, run_dir, log_path, restart_path, quiet,
+                       locking, stop, created)
+            res.interrupted = stop.interrupted
+            return res
         finally:
             if lock is not None:
                 lock.release()
+
+
+def _make_dir(run_dir: str) -> bool:
+    """Make the run directory (and its parents); True if this call made it. ``os.mkdir`` is
+    atomic: of two trainers starting at the same instant exactly one makes it, so the other
+    never takes it for its own (and never removes it)."""
+    parent = os.path.dirname(os.path.abspath(run_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(run_dir)
+        return True
+    except FileExistsError:
+        if os.path.isdir(run_dir):
+            return False
+        raise ValueError(f"--out {run_dir}: cannot make the run directory (File exists)") \
+            from None
+    except OSError as e:
+        raise ValueError(f"--out {run_dir}: cannot make the run directory "
+                         f"({e.strerror or e})") from None
+
+
+def _make_and_lock(run_dir: str, locking: bool | None) -> tuple[bool, _RunLock]:
+    """``(made by this call, lock)``: the run directory made if it is missing, and locked.
+    A trainer that cannot lock it (:class:`RunDirBusy`: another holds it) leaves it alone.
+    A directory removed between its creation and the lock (a failed start cleaning up what
+    it made) is made and locked again, so the lock held is always on the directory at
+    ``run_dir``."""
+    for _ in range(20):
+        created = _make_dir(run_dir)
+        lock = _RunLock(run_dir, locking)
+        if lock.on(run_dir):
+            return created, lock
+        lock.release()
+    raise ValueError(f"--out {run_dir}: the run directory kept disappearing while the trainer "
+                     "locked it (another program removes it?); give another --out")
 
 
 def _remove_empty_dir(path: str) -> None:
@@ -818,8 +1059,6 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
          stop: _Preemption, created: bool) -> TrainResult:
     """Build the problem, restore the restart file, open the log and train."""
     from . import distributed as D
-    from .io import H5Log
-    from .memory.meter import MemoryMeter
 
     main = dist.is_main
     budget = cfg.budget_bytes
@@ -839,7 +1078,6 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
             _check_curriculum(problem_path, problem, ctx, stages)
         optimizer = problem.optimizer(ctx, params)
         scheduler = getattr(problem, "scheduler", lambda ctx, opt: None)(ctx, optimizer)
-        start = run.start
         if run.restart is not None:
             _restore(restart_path, run.restart, problem, ctx, model, optimizer, scheduler,
                      problem_path, sha)
@@ -850,6 +1088,49 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
         if created and main:
             _remove_empty_dir(run_dir)
         raise
+    # a fresh run (no restart file) that fails or is interrupted before its first row
+    # leaves nothing: its new log (and TensorBoard directory) and the run directory it made
+    fresh = main and run.start == 0 and not os.path.lexists(restart_path)
+    tb_dir = os.path.join(run_dir, cfg["tensorboard"]) if cfg["tensorboard"] else None
+    tb_new = tb_dir is not None and not os.path.lexists(tb_dir)
+    done = {"rows": False, "restart": False}
+    try:
+        return _train_loop(problem, ctx, cfg, dist, run, model, params, optimizer, scheduler,
+                           stages, sha, baseline, budget, problem_path, run_dir, log_path,
+                           restart_path, quiet, locking, stop, done)
+    except BaseException:
+        if fresh and not done["rows"] and not done["restart"]:
+            _discard_start(run_dir, log_path, tb_dir if tb_new else None, created)
+        raise
+
+
+def _discard_start(run_dir: str, log_path: str, tb_dir: str | None, created: bool) -> None:
+    """Remove what a fresh run made before it failed, or was interrupted, ahead of its first
+    row: the new, empty log, the TensorBoard directory it made and, if it made it, the run
+    directory (a directory that was there before is left, as it was)."""
+    import shutil
+
+    if os.path.isfile(log_path) and not os.path.islink(log_path):
+        _remove_quietly(log_path)
+    if tb_dir is not None and os.path.isdir(tb_dir) and not os.path.islink(tb_dir):
+        shutil.rmtree(tb_dir, ignore_errors=True)
+    if created:
+        _remove_empty_dir(run_dir)
+
+
+def _train_loop(problem, ctx, cfg: RunConfig, dist, run: _RunState, model, params, optimizer,
+                scheduler, stages, sha: str, baseline: dict, budget, problem_path: str,
+                run_dir: str, log_path: str, restart_path: str, quiet: bool,
+                locking: bool | None, stop: _Preemption, done: dict) -> TrainResult:
+    """Open the log and train from ``run.start``; ``done`` records whether a row or a
+    restart file has been written."""
+    from . import distributed as D
+    from .io import H5Log
+    from .memory.meter import MemoryMeter
+
+    main = dist.is_main
+    start = run.start
+    log: H5Log | _NoLog  # or a MirroredLog (duck-typed as an H5Log)
     D.broadcast_model(dist, model)
 
     weights = problem.weights(ctx)
@@ -860,7 +1141,6 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
     attrs["weights"] = {k: float(v) for k, v in weights.items()}
     if not run.resume_log:   # before training: the model as built (kept by a resumed log)
         attrs["initial_metrics"] = baseline
-    log: H5Log | _NoLog  # or a MirroredLog (duck-typed as an H5Log)
     if main:   # the restart file and the log's rows have been checked: now the log changes
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
@@ -873,31 +1153,33 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
             log = _mirrored(log, os.path.join(run_dir, cfg["tensorboard"]), start)
     else:
         log = _NoLog()
-    iterations = int(cfg["iterations"])
-    eval_every = int(cfg["eval_every"])
-    ckpt_every = max(int(cfg["checkpoint_every"]), 1)
-    clip = float(cfg["grad_clip"]) or math.inf
-    adjoint_every = int(cfg["adjoint_every"])
-    track = ctx.device.type == "cpu" and bool(cfg["budget"])
-    memory_every = max(int(cfg.get("memory_every", 1)), 1)
-    # optimizers that evaluate the loss themselves: L-BFGS and those saying so
-    closure_opt = (isinstance(optimizer, torch.optim.LBFGS)
-                   or bool(getattr(optimizer, "needs_closure", False)))
-
-    def checkpoint(k: int) -> None:
-        """The log's rows up to iteration k-1 reach the disk before the restart file at k is
-        published, so a kill between the two leaves rows that resume drops, never a gap."""
-        log.flush(sync=True)
-        save_restart(restart_path, iteration=k, model=model, optimizer=optimizer,
-                     scheduler=scheduler, ctx=ctx, cfg=cfg, sha=sha,
-                     problem_state=problem.state_dict(ctx))
-
     bar = None
-    last_loss = math.nan
-    preempted = False
-    it = start
-    metrics = dict(baseline)
     try:
+        iterations = int(cfg["iterations"])
+        eval_every = int(cfg["eval_every"])
+        ckpt_every = max(int(cfg["checkpoint_every"]), 1)
+        clip = float(cfg["grad_clip"]) or math.inf
+        adjoint_every = int(cfg["adjoint_every"])
+        track = ctx.device.type == "cpu" and bool(cfg["budget"])
+        memory_every = max(int(cfg.get("memory_every", 1)), 1)
+        # optimizers that evaluate the loss themselves: L-BFGS and those saying so
+        closure_opt = (isinstance(optimizer, torch.optim.LBFGS)
+                       or bool(getattr(optimizer, "needs_closure", False)))
+
+        def checkpoint(k: int) -> None:
+            """The log's rows up to iteration k-1 reach the disk before the restart file at k is
+            published, so a kill between the two leaves rows that resume drops, never a gap."""
+            log.flush(sync=True)
+            save_restart(restart_path, iteration=k, model=model, optimizer=optimizer,
+                         scheduler=scheduler, ctx=ctx, cfg=cfg, sha=sha,
+                         problem_state=problem.state_dict(ctx))
+            done["restart"] = True
+
+        last_loss = math.nan
+        preempted = False
+        it = start
+        metrics = dict(baseline)
+        stop.training = True   # from here on SIGINT stops after the iteration, as SIGTERM
         if D.any_rank(dist, stop.signal is not None, ctx.device):   # a signal during setup
             if main:
                 checkpoint(start)
@@ -931,6 +1213,7 @@ def _run(problem_path: str, cfg: RunConfig, dist, run: _RunState, run_dir: str,
                         for k, v in (problem.evaluate(ctx) or {}).items():
                             row[f"metric/{k}"] = metrics[k] = float(v)
                 log.append(row)
+                done["rows"] = True
                 if bar is not None:
                     bar.update(it, last_loss, row)
                 if not math.isfinite(last_loss):
@@ -1209,18 +1492,23 @@ def _progress(total: int, start: int, quiet: bool, every: float = 30.0):
     return _Bar(total, start) if sys.stderr.isatty() else _Lines(total, start, every)
 
 
-def plan_problem(problem_path: str, *, budget: str, sets: list[str] | None = None,
-                 overrides: Mapping[str, Any] | None = None):
-    """The plan ``train`` would use for the problem's unroll under ``budget``: builds the
-    problem, captures its first ``ctx.unroll`` call and plans it."""
+def plan_problem(problem_path: str, *, budget: str | int | None = None,
+                 sets: list[str] | None = None, overrides: Mapping[str, Any] | None = None):
+    """The plan ``train`` would use for the problem's unroll under ``budget`` (default: the
+    problem's ``budget`` setting, as ``train`` uses it): builds the problem, captures its
+    first ``ctx.unroll`` call and plans it."""
     problem0, _ = load_problem(problem_path)
     # the plan's budget is the run's: checked with the other settings, before the build
     config = run_config(problem0, {**(overrides or {}), "budget": budget}, sets)
+    chosen = config.get("budget")
+    if chosen in (None, "", 0) or (isinstance(chosen, str) and not chosen.strip()):
+        raise ConfigError(f"plan {problem_path}: the problem has no default budget; give "
+                          "--budget (e.g. --budget 2GiB or 80%)")
     with run_threads(config.threads):
-        return _plan_problem(problem_path, config, budget)
+        return _plan_problem(problem_path, config, chosen)
 
 
-def _plan_problem(problem_path: str, cfg: RunConfig, budget: str):
+def _plan_problem(problem_path: str, cfg: RunConfig, budget: str | int):
     from .memory.planner import plan
 
     problem, ctx, _ = build(problem_path, cfg)

@@ -9,6 +9,7 @@ docs/budget.md.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -26,7 +27,12 @@ from .memory.profiling import profile_step
 from .memory.strategies import Budget, Online, StoreAll, Strategy, as_strategy
 from .schedules import Schedule, online, revolve, store_all
 
-__all__ = ["unroll", "UnrollStats"]
+__all__ = ["unroll", "UnrollStats", "DEFAULT_MAX_STEPS"]
+
+#: The bound of an ``until=`` unroll without ``max_steps=``: a stop condition that never
+#: holds ends in a one-line error after this many steps instead of running (and, without
+#: snapshots, growing its recorded graph) forever.
+DEFAULT_MAX_STEPS = 100_000
 
 
 def unroll(
@@ -66,7 +72,10 @@ def unroll(
             checkpoint schedule (:func:`deepsolve.schedules.online`) whose memory never
             exceeds them; without either, every step is kept recorded. Step ``n - 1`` is
             evaluated once more than offline (it reveals that ``x_n`` is the end).
-        max_steps: with ``until``, give up with a clear error after this many steps.
+        max_steps: with ``until``, give up after this many steps: a ``RuntimeError`` saying
+            that the stop condition was not met within ``max_steps`` steps. Default
+            :data:`DEFAULT_MAX_STEPS` (100 000), so a condition that never holds cannot run
+            forever; give a larger bound for longer unrolls.
         snapshots: revolve with this many snapshot slots, ``x_0`` included. Memory is
             ``snapshots`` states plus one recorded step; the step is evaluated
             ``optimal_cost(n, snapshots)`` times unrecorded and ``n`` times recorded.
@@ -136,7 +145,13 @@ def unroll(
         new leading dimension of size ``n`` (leaf-wise for pytrees).
 
     Under ``torch.no_grad()`` (or when nothing requires grad) this is the plain loop.
+
+    Raises:
+        TypeError: ``step`` is not a function of ``(state, i)`` (one line naming it), or the
+            arguments are not in the order ``unroll(step, x0, n_steps)``.
+        RuntimeError: the step modified its input state in place (found at step 0).
     """
+    _check_step(step)
     if until is not None:
         if truncate is not None:
             raise ValueError("unroll: truncate= needs a known n_steps, not until=")
@@ -180,6 +195,26 @@ def unroll(
     return execute(step, state, sched, params=params, has_output=has_output,
                    preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
                    snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook)
+
+
+def _check_step(step: Any) -> None:
+    """A one-line ``TypeError`` unless ``step`` can be called as ``step(state, i)``."""
+    if not callable(step):
+        raise TypeError(f"unroll: step must be a function step(state, i) -> next state, got "
+                        f"{type(step).__name__} {' '.join(repr(step).split())[:40]}; the "
+                        "arguments are unroll(step, x0, n_steps)")
+    fn = step.forward if isinstance(step, torch.nn.Module) else step
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension function: nothing to check
+        return
+    try:
+        sig.bind(None, 0)
+    except TypeError:
+        name = getattr(fn, "__name__", None) or type(step).__name__
+        raise TypeError(f"unroll: the step {name}{sig} cannot be called as step(state, i); "
+                        "unroll passes the state and the step index i: write it as "
+                        "def step(state, i) (i may be unused)") from None
 
 
 def _second_level(p, how: Budget) -> dict | None:
@@ -273,6 +308,7 @@ def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, pa
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
                                   or max_steps < 1):
         raise ValueError(f"unroll: max_steps must be an integer >= 1, got {max_steps!r}")
+    bound = DEFAULT_MAX_STEPS if max_steps is None else max_steps
     how = as_strategy(schedule, snapshots, budget, None, None, online=True)
     sched = how
     if isinstance(how, Online):
@@ -284,6 +320,13 @@ def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, pa
                                                       params, snapshot_dtype), how.group))
             if stats is not None:
                 stats.extra["online_snapshots"] = sched.snapshots
-    return execute(step, state, sched, params=params, has_output=has_output,
-                   preserve_rng=preserve_rng, stats=stats, until=until, max_steps=max_steps,
-                   policy=policy, snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook)
+    try:
+        return execute(step, state, sched, params=params, has_output=has_output,
+                       preserve_rng=preserve_rng, stats=stats, until=until, max_steps=bound,
+                       policy=policy, snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook)
+    except RuntimeError as e:
+        if max_steps is not None or "stop condition was not met" not in str(e):
+            raise
+        raise RuntimeError(f"unroll: the stop condition was not met within {bound} steps, the "
+                           "default bound of an until= unroll without max_steps=; give "
+                           "max_steps=N for a longer unroll, or check the condition") from None

@@ -461,8 +461,8 @@ class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
         if not (0 < decay <= 1) or every < 1:
             raise ValueError(f"allen_cahn_pinn: need 0 < lr_decay <= 1 and lr_decay_every >= 1, "
                              f"got {decay} and {every}")
-        if decay == 1:
-            return None
+        if decay == 1 or self.lbfgs_start(ctx) == 0:
+            return None   # (no Adam step to decay: a second-order optimizer from the start)
         return torch.optim.lr_scheduler.ExponentialLR(opt.adam, gamma=decay ** (1.0 / every))
 
     def evaluate(self, ctx):

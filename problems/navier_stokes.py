@@ -102,10 +102,14 @@ Defaults and scaling up
 -----------------------
 The defaults (64² reference, 32² model, 8 + 8 trajectories, unrolls of ``steps=1000`` coarse
 steps of ``dt=0.002`` with ``batch=2`` trajectories, 30 iterations, a 256 MiB budget for the
-unroll's checkpoints) take about two minutes on two CPU cores, reference generation included
-(about 3 s per iteration), and bring the mean held-out error at :math:`T` from 0.39
-(coarse) to about 0.32 (``improvement`` about 1.25, every held-out trajectory improving;
-at :math:`t = 1` the errors are 0.29 and 0.23). More iterations keep improving it. ``dt``
+unroll's checkpoints) take about three minutes on a 2-core VM, reference generation included:
+5.0-5.7 s per iteration measured in quiet runs with one and two threads (``make demo``, or
+``python -m deepsolve train problems/navier_stokes.py``, then ``python -m deepsolve report
+RUN_DIR`` for the median iteration time; ``benchmarks/threads.py --demo`` in
+docs/problems.md#threads; several times longer beside other jobs). They bring the mean
+held-out error at :math:`T` from 0.39 (coarse) to about 0.32 (``improvement`` about 1.25:
+the README's table, generated from the kept demo log by ``benchmarks/demo_table.py``). More
+iterations keep improving it. ``dt``
 is far below the coarse CFL limit here only because 1000 steps must fit in a horizon over
 which the flow stays predictable.
 

@@ -37,3 +37,18 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def child_tmpdir(tmp_path, monkeypatch):
+    """``TMPDIR`` for the processes the test starts: this test's own temporary directory.
+
+    torchrun (torchelastic) makes a ``torchelastic_*`` directory under the temporary
+    directory at every launch and leaves it there; with this, it lands under the test's
+    ``tmp_path`` (which pytest cleans) instead of accumulating in the system's. This
+    process's own ``tempfile`` directory is computed once per process and does not change.
+    """
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp

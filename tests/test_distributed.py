@@ -21,6 +21,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BATCH = os.path.join(HERE, "data", "batch_problem.py")
 
+# torchrun leaves a torchelastic_* directory in the temporary directory at every launch: the
+# launched processes get the test's own (conftest.py)
+pytestmark = pytest.mark.usefixtures("child_tmpdir")
+
 
 def _torchrun(out, *extra, signals=False):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
@@ -114,6 +118,8 @@ def test_two_processes_give_the_parameters_of_one_process(tmp_path):
     for k in ("peak_host_memory_max", "peak_device_memory_max"):
         assert k in log.columns and k not in ref.columns
     assert np.all(log.columns["peak_host_memory_max"] >= log.columns["peak_host_memory"])
+    # torchelastic's directory is in this test's temporary directory, not the system's
+    assert list((tmp_path / "tmp").glob("torchelastic_*"))
 
 
 @pytest.mark.slow

@@ -22,6 +22,10 @@ ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "data", "domain_worker.py")
 SW = os.path.join(ROOT, "problems", "shallow_water.py")
 
+# torchrun leaves a torchelastic_* directory in the temporary directory at every launch: the
+# launched processes get the test's own (conftest.py)
+pytestmark = pytest.mark.usefixtures("child_tmpdir")
+
 
 def _env(**extra):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **extra)

@@ -617,3 +617,41 @@ def test_bad_backward_modes_are_one_line_errors(make, message):
     with pytest.raises(ValueError, match=message) as err:
         make()
     assert "\n" not in str(err.value)
+
+
+# --- a divergence is never called convergence ----------------------------------------------
+
+def test_picard_divergence_is_not_convergence_even_where_norms_overflow():
+    """1.6 z + 1 in float32 reached z ~ 6e18, where ||f(z)||^2 overflows: the relative
+    residual divided by inf was 0 and the solve reported converged=True, even with
+    strict=True; in float64 1.5 z + 1 "converged" at iteration 870 with z ~ 3e153."""
+    with pytest.warns(FixedPointWarning, match="did not converge in 100 iterations"):
+        z, st = fixed_point(lambda z: 1.6 * z + 1, torch.zeros(8), solver="picard",
+                            return_stats=True)
+    assert not st.converged and st.residual == pytest.approx(0.375, rel=1e-3)
+    assert float(z.abs().max()) > 1e19         # past the float32 overflow of ||z||^2
+    with pytest.raises(FixedPointError, match="did not converge"):
+        fixed_point(lambda z: 1.6 * z + 1, torch.zeros(8), solver="picard", strict=True)
+    with pytest.raises(FixedPointError, match="not finite"):  # runs into inf in float64
+        fixed_point(lambda z: 1.5 * z + 1, torch.zeros(8, dtype=F64), solver="picard",
+                    max_iter=2000, return_stats=True)
+
+
+@pytest.mark.parametrize("backward", ["implicit", "unrolled"])
+@pytest.mark.parametrize("solver", ["picard", "anderson", "broyden"])
+def test_a_growing_iterate_is_not_converged_in_any_solver(solver, backward):
+    """f(z) = z + c has no fixed point; its relative residual ~ 1/k falls below tol=1e-2
+    after ~100 steps (every solver falls back to Picard here), and that was "converged"."""
+    c = torch.tensor(1.0, dtype=F64, requires_grad=True)
+    f = lambda z: z + c  # noqa: E731
+    with pytest.warns(FixedPointWarning, match="only because the iterate grew"):
+        z, st = fixed_point(f, torch.zeros(4, dtype=F64), solver=solver, tol=1e-2,
+                            max_iter=300, backward=backward, return_stats=True)
+    assert not st.converged and st.iterations == 300 and st.residual < 1e-2
+    with pytest.raises(FixedPointError, match="only because the iterate grew"):
+        fixed_point(f, torch.zeros(4, dtype=F64), solver=solver, tol=1e-2, max_iter=300,
+                    backward=backward, strict=True)
+    # a genuine fixed point far from the start still converges: z* = 1e6, ||z*|| >> r_0
+    z, st = fixed_point(lambda z: 0.5 * z + 5e5 * c, torch.zeros(4, dtype=F64),
+                        solver=solver, backward=backward, return_stats=True)
+    assert st.converged and torch.allclose(z, torch.full((4,), 1e6, dtype=F64))

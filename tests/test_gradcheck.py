@@ -248,7 +248,11 @@ def test_check_passes_on_every_shipped_problem(name, tmp_path, capsys):
                *[a for kv in sets for a in ("--set", kv)]])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "ok: every gradient matches" in out
+    if name == "navier_stokes.py":   # the closure's last layer starts at zero: named, unchecked
+        assert "ok: every non-zero gradient matches" in out
+        assert "the store_all gradient is identically zero, so these are not checked" in out
+    else:
+        assert "ok: every gradient matches" in out
     if name.endswith("_pinn.py"):
         assert "does not unroll" in out and "chunked" in out
         # the forced chunking really chunked: the note about an unchunked loss is absent
@@ -272,3 +276,31 @@ def test_a_schedule_whose_unroll_fails_is_a_finding_not_a_crash():
     assert set(res.failed) == {"run", "periodic"}  # revolve(6, 2) is the run's own schedule
     assert all("the unroll failed where store_all ran" in p for p in res.problems)
     assert "error" in res.table()
+
+
+def test_parameters_with_an_identically_zero_gradient_are_named_not_passed():
+    """`deepsolve check problems/navier_stokes.py` printed 0.000e+00 for every first-layer
+    gradient (the last layer starts at zero) and "ok" without a word: half the model was
+    not checked."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                              torch.nn.Linear(4, 3)).double()
+    torch.nn.init.zeros_(net[2].weight)
+    torch.nn.init.zeros_(net[2].bias)
+
+    def step(x, i):
+        return x + 0.1 * net(x)
+
+    res = check_gradients(step, torch.randn(2, 3, dtype=torch.float64), 10,
+                          wrt=dict(net.named_parameters()), snapshots=3)
+    assert res.ok and res.zero_gradient == ["0.weight", "0.bias"]
+    table = res.table()
+    assert table.count("0 (not checked)") == 2
+    (note,) = [ln for ln in table.splitlines() if ln.startswith("note: 0.weight, 0.bias")]
+    assert "identically zero, so these are not checked" in note and "starts at zero" in note
+    assert table.splitlines()[-1].startswith("ok: every non-zero gradient matches (2 of 5 "
+                                             "tensors have a zero reference gradient")
+    torch.nn.init.normal_(net[2].weight)              # the gradient flows: all checked
+    res = check_gradients(step, torch.randn(2, 3, dtype=torch.float64), 10,
+                          wrt=dict(net.named_parameters()), snapshots=3)
+    assert res.ok and res.zero_gradient == [] and "not checked" not in res.table()

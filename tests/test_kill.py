@@ -1,7 +1,8 @@
 """Kill test: SIGKILL a small training run at seeded random moments (before its first restart
 file too, mid-flush, between the log flush and the restart file, right after the restart
 file is published), then ``--resume`` it to completion: every log must end with iterations
-0..N-1, no gap, no duplicate, and float64 losses equal to those of an uninterrupted run.
+0..N-1, no gap, no duplicate, and float64 losses equal to those of an uninterrupted run (a
+run killed before it wrote anything has nothing to resume: it is started again).
 
 The runs are forked from one "zygote" process that has imported torch and deepsolve once
 (a fresh interpreter costs seconds of CPU on a loaded machine), with one thread each. A kill
@@ -205,7 +206,14 @@ def test_sigkill_at_random_moments_then_resume(zygote, tmp_path):
         assert rc == -9, (kill, rc, output(out, "killed"))
         check_after_kill(out)
         before_first_restart += not (out / "restart.pt").exists()
-        rc = zygote.run(out, resume=True, tag="resumed")
+        if not (out / "log.h5").exists() and not (out / "restart.pt").exists():
+            # killed before it wrote anything: nothing to resume, which --resume says in one
+            # line; the run is started again without it (as the SLURM script does)
+            assert zygote.run(out, resume=True, tag="nothing") == 2, kill
+            assert "holds no run to resume" in output(out, "nothing")
+            rc = zygote.run(out, tag="resumed")
+        else:
+            rc = zygote.run(out, resume=True, tag="resumed")
         assert rc == 0, (kill, output(out, "resumed"))
         check_complete(out, ref)
     assert before_first_restart >= 5

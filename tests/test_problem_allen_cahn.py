@@ -279,3 +279,22 @@ def test_second_order_with_causal_weights_resumes_exactly(tmp_path, sets):
     a = read_log(res.log_path).columns
     assert a["loss"][-1] < 0.5 * a["loss"][1]
     assert a["lr"][-1] == pytest.approx(1.0)
+
+
+def test_the_default_optimizer_runs_without_a_scheduler_warning(tmp_path):
+    """The default run (SSBroyden from the first iteration, no Adam step) stepped an Adam
+    learning-rate schedule that Adam never used, and torch warned that lr_scheduler.step()
+    came before optimizer.step(). With an Adam warm-up the schedule is kept, and silent."""
+    import warnings
+
+    for sets, scheduled in ((["optimizer=ssbroyden", "qn_iters=2"], False),
+                            (["optimizer=ssbroyden", "qn_iters=2", "warmup=2"], True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            res = train(str(PATH), sets=TINY + sets, overrides={"iterations": 3},
+                        out=str(tmp_path / f"run{int(scheduled)}"), quiet=True)
+        assert res.iterations == 3
+        said = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]
+        assert not said, said
+        state = torch.load(res.restart_path, weights_only=True)
+        assert bool(state["scheduler"]) == scheduled

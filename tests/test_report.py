@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from deepsolve.io import H5Log, LogError, read_log, report, summarize
+from deepsolve.io.report import BUDGET, REAL_PEAK
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MiB = 2**20
@@ -388,33 +389,34 @@ def test_memory_plot_says_what_each_curve_measured_on_cpu(tmp_path):
     memory_log(tmp_path / "log.h5", "cpu")
     (ax,) = _figs(tmp_path)["memory.png"].axes
     lines = _lines(ax)
-    assert set(lines) == {"real peak (RSS above the run's baseline)",
+    assert set(lines) == {f"{REAL_PEAK} (RSS above the run's baseline)",
                           "tracked by deepsolve (saved tensors + snapshots)",
-                          "process RSS peak in the iteration (absolute)", "budget"}
-    np.testing.assert_allclose(lines["real peak (RSS above the run's baseline)"].get_ydata(),
+                          "process RSS peak in the iteration (absolute)", BUDGET}
+    np.testing.assert_allclose(lines[f"{REAL_PEAK} (RSS above the run's baseline)"].get_ydata(),
                                20 + np.arange(6))
     np.testing.assert_allclose(
         lines["tracked by deepsolve (saved tensors + snapshots)"].get_ydata(), 2.0)
-    budget = lines["budget"]
+    budget = lines[BUDGET]
     assert budget.get_linestyle() == "--" and list(budget.get_ydata()) == [64.0, 64.0]
     assert ax.get_ylabel() == "MiB" and "cpu" in ax.get_title()
     assert ax.get_yscale() == "log"          # 2 .. 300 MiB: more than a factor of 10
     mem = next(ln for ln in summarize(read_log(tmp_path)).splitlines()
                if ln.startswith("peak memory"))
-    assert mem.split(None, 2)[2] == ("real (RSS above baseline) 25.0 MiB, tracked 2.0 MiB, "
-                                     "process RSS 300.0 MiB, budget 64.0 MiB")
+    assert mem.split(None, 2)[2] == ("real, whole iteration (RSS above baseline) 25.0 MiB, "
+                                     "tracked 2.0 MiB, process RSS 300.0 MiB, budget of the "
+                                     "unroll 64.0 MiB")
 
 
 def test_memory_plot_on_cuda_has_no_host_curve(tmp_path):
     memory_log(tmp_path / "log.h5", "cuda:0")
     (ax,) = _figs(tmp_path)["memory.png"].axes
     labels = set(_lines(ax))
-    assert labels == {"real peak (max_memory_allocated)",
-                      "tracked by deepsolve (saved tensors + snapshots)", "budget"}
+    assert labels == {f"{REAL_PEAK} (max_memory_allocated)",
+                      "tracked by deepsolve (saved tensors + snapshots)", BUDGET}
     assert not any("host" in lb or "RSS" in lb or "device" in lb for lb in labels)
     mem = next(ln for ln in summarize(read_log(tmp_path)).splitlines()
                if ln.startswith("peak memory"))
-    assert "real (max_memory_allocated) 25.0 MiB" in mem and "RSS" not in mem
+    assert "real, whole iteration (max_memory_allocated) 25.0 MiB" in mem and "RSS" not in mem
 
 
 def test_memory_plot_of_an_older_log_and_a_budget_far_above(tmp_path):
@@ -427,13 +429,13 @@ def test_memory_plot_of_an_older_log_and_a_budget_far_above(tmp_path):
                                "process RSS high-water mark (absolute)"}
     memory_log(tmp_path / "cuda.h5", "cuda:1", new_columns=False, budget=None)
     (ax,) = _figs(tmp_path / "cuda.h5")["memory.png"].axes
-    assert set(_lines(ax)) == {"real peak (max_memory_allocated)"}
+    assert set(_lines(ax)) == {f"{REAL_PEAK} (max_memory_allocated)"}
     with H5Log(tmp_path / "far.h5", attrs={"device": "cpu", "budget_bytes": 4 * 2**30}) as log:
         for i in range(4):         # a real peak of 0 (nothing above the baseline): linear axis
             log.append({"iteration": i, "peak_real_memory": float(i * MiB)})
     (ax,) = _figs(tmp_path / "far.h5")["memory.png"].axes
     (budget,) = [ln for lb, ln in _lines(ax).items() if lb.startswith("budget")]
-    assert budget.get_label() == "budget (4096 MiB, above the plot)"
+    assert budget.get_label() == f"{BUDGET} (4096 MiB, above the plot)"
     assert budget.get_ydata()[0] == 4096.0 and budget.get_linestyle() == "--"
     assert ax.get_yscale() == "linear" and ax.get_ylim()[1] < 4.0
 
@@ -509,10 +511,16 @@ def test_plots_of_a_real_training_log(tmp_path):
     figs = _figs(out)
     (mem,) = figs["memory.png"].axes
     lines = _lines(mem)
-    assert "real peak (RSS above the run's baseline)" in lines
+    assert f"{REAL_PEAK} (RSS above the run's baseline)" in lines
     assert not any("device" in lb or "host" in lb for lb in lines)
     budget = log.attrs["budget_bytes"]
-    assert lines["budget"].get_ydata()[0] == pytest.approx(budget / MiB)
+    assert lines[BUDGET].get_ydata()[0] == pytest.approx(budget / MiB)
+    assert "the real peak is the whole iteration's" in mem.get_title()
+    summary = summarize(log)                    # the config shows the threads the run used
+    assert "threads" in log.attrs and log.attrs["config"]["threads"] == 0
+    (line,) = [ln.split() for ln in summary.splitlines() if ln.strip().startswith("threads ")]
+    assert " ".join(line).startswith(f"threads = {log.attrs['threads']} (used; the setting is "
+                                     "0: the default"), line
     (ax,) = figs["metrics.png"].axes
     (mark,) = _baselines(ax)
     assert mark.get_ydata()[0] == pytest.approx(log.attrs["initial_metrics"]["rate_error"])
@@ -555,3 +563,23 @@ def test_no_gradients_plot_without_gradient_data(tmp_path):
     with H5Log(p) as log:
         log.append({"iteration": 0, "loss": 1.0})
     assert "gradients.png" not in _figs(p)
+
+
+def test_report_never_writes_through_a_planted_link(tmp_path):
+    """With RUN/loss.png a symbolic link to a file elsewhere, report wrote a PNG into that
+    file. Now each plot is a new file renamed over the name: the link is replaced and its
+    target left as it was; a link at the temporary name is not followed either."""
+    run = tmp_path / "run"
+    run.mkdir()
+    full_log(run, n=5)
+    victim = tmp_path / "elsewhere.txt"
+    victim.write_text("precious")
+    (run / "loss.png").symlink_to(victim)
+    (run / f".memory.png.tmp-{os.getpid()}").symlink_to(victim)
+    text = report(run)
+    assert victim.read_text() == "precious"
+    for name in ("loss.png", "memory.png"):
+        p = run / name
+        assert not p.is_symlink() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert str(p) in text
+    assert not [p.name for p in run.iterdir() if ".tmp-" in p.name]

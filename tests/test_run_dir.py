@@ -128,9 +128,193 @@ def test_sigterm_while_the_run_is_set_up(tmp_path, capsys):
             proc.kill()
             proc.communicate(timeout=60)
     assert proc.returncode == 75, err
+    assert "stopped by a signal before its first iteration" in err and "-1" not in err, err
     assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 0
     assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 5, "--resume") == 0
     assert iterations(out) == list(range(5))
+
+
+# ------------------------------------------------------------------------------ Ctrl-C
+
+
+def _stop(proc, gate):
+    gate.touch()
+    try:
+        return proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+
+
+def test_ctrl_c_finishes_the_iteration_and_writes_a_restart_file(tmp_path):
+    """SIGINT used to end the run at once ("interrupted", rc 130) with the log's rows but no
+    restart file: up to checkpoint_every - 1 iterations lost, and --resume started over.
+    Now it is handled like SIGTERM: the iteration in progress finishes, the restart file
+    follows the log's rows, exit code 130, and --resume continues."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    proc = _gated(out, gate, 4, "--iterations", "9", "--set", "checkpoint_every=100")
+    _wait_for(f"{gate}.waiting", proc)
+    proc.send_signal(signal.SIGINT)                  # inside iteration 4
+    err = _stop(proc, gate)
+    assert proc.returncode == 130, err
+    assert "press Ctrl-C again to stop at once" in err
+    assert f"interrupted after iteration 4; restart file {out / 'restart.pt'} (iteration 5)" \
+        in err, err
+    assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 5
+    assert iterations(out) == list(range(5))
+    assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 9, "--resume") == 0
+    assert iterations(out) == list(range(9))
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_run_still_resumes(tmp_path):
+    """The second Ctrl-C ends the process at once (SIGINT's default action): what it leaves
+    is what a kill leaves, a log and a restart file that belong together."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    proc = _gated(out, gate, 4, "--iterations", "9", "--set", "checkpoint_every=3")
+    _wait_for(f"{gate}.waiting", proc)
+    proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:   # the handler has run once
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    err = _stop(proc, gate)
+    assert proc.returncode == -signal.SIGINT
+    assert err.count("press Ctrl-C again to stop at once") == 1, err   # the first one's note
+    assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 3
+    assert iterations(out)[:3] == [0, 1, 2]
+    assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 9, "--resume") == 0
+    assert iterations(out) == list(range(9))
+    assert sorted(p.name for p in out.iterdir()) == ["log.h5", "restart.pt"]
+
+
+def test_ctrl_c_while_the_run_is_set_up_leaves_nothing(tmp_path):
+    """Before the first iteration there is nothing to save: one line, exit code 130, and the
+    run directory the start made is gone (no empty log, no restart file at iteration 0)."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    proc = _gated(out, gate, 0, "--iterations", "5", "--set", "gate_build=true")
+    _wait_for(f"{gate}.waiting", proc)
+    proc.send_signal(signal.SIGINT)
+    err = _stop(proc, gate)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["deepsolve train: interrupted"], err
+    assert not out.exists()
+
+
+def test_ctrl_c_while_deepsolve_is_imported_is_one_line(tmp_path):
+    """A Ctrl-C while `python -m deepsolve` imports torch printed a 15-47 line traceback."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "deepsolve", "--version"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:       # inside deepsolve/__init__: torch is loading
+            try:
+                if "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text():
+                    break
+            except OSError:
+                pass
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert err.strip() == "deepsolve: interrupted", err
+
+
+# ----------------------------------------------------------- nothing to resume, nothing made
+
+
+def test_resume_without_a_run_is_one_line_and_makes_nothing(tmp_path, capsys):
+    """--resume with a mistyped --out said "holds no restart file ... starting from iteration
+    0" and trained a new run there."""
+    nowhere = tmp_path / "typo"
+    assert train(nowhere, "--iterations", 2, "--resume") == 2
+    msg = one_line_error(capsys)
+    assert f"--resume: {nowhere} does not exist" in msg and "without --resume" in msg
+    assert not nowhere.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert train(empty, "--iterations", 2, "--resume") == 2
+    msg = one_line_error(capsys)
+    assert f"--resume: {empty} holds no run to resume" in msg and "without --resume" in msg
+    assert not list(empty.iterdir())
+    assert train(empty, "--iterations", 2) == 0            # a fresh run is asked without it
+    assert iterations(empty) == [0, 1]
+
+
+def test_a_budget_error_at_the_first_iteration_leaves_no_run_directory(tmp_path, capsys):
+    """--budget 100KiB on the demo left a run directory with an empty log.h5."""
+    out = tmp_path / "run"
+    assert train(out, "--iterations", 2, "--budget", "100B") == 2
+    assert "below the minimum" in one_line_error(capsys)
+    assert not out.exists()
+    out.mkdir()                                  # the user's own directory: kept, left empty
+    (out / "notes.txt").write_text("mine")
+    assert train(out, "--iterations", 2, "--budget", "100B", "--tensorboard") == 2
+    one_line_error(capsys)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_trainer_that_loses_the_lock_does_not_remove_the_winners_directory(tmp_path,
+                                                                           monkeypatch, capsys):
+    """Two trainers started at the same instant on a new --out: both saw no directory, the
+    one refused by the lock removed the winner's (still empty, locked) directory, and the
+    winner then failed to create its log. Here another process takes the lock just before
+    this trainer's flock: this trainer is refused and leaves the directory alone."""
+    import fcntl
+
+    out = tmp_path / "run"
+    holder = None
+    real = fcntl.flock
+
+    def flock(fd, op):
+        nonlocal holder
+        if holder is None and op & fcntl.LOCK_EX:
+            holder = subprocess.Popen(
+                [sys.executable, "-c", "import fcntl, os, sys, time\n"
+                 "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY)\n"
+                 "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('locked', flush=True)\n"
+                 "time.sleep(60)", str(out)], stdout=subprocess.PIPE, text=True)
+            assert holder.stdout.readline().strip() == "locked"
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    try:
+        assert train(out, "--iterations", 2) == 2
+        assert "another trainer" in one_line_error(capsys)
+        assert out.is_dir()                      # the winner's directory is still there
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(timeout=30)
+            holder.stdout.close()
+    monkeypatch.setattr(fcntl, "flock", real)
+    assert train(out, "--iterations", 2) == 0
+    assert iterations(out) == [0, 1]
+
+
+def test_a_directory_removed_before_it_is_locked_is_made_again(tmp_path, monkeypatch):
+    """A failed start removes the directory it made; a trainer that had opened it in the
+    meantime must not lock the removed directory and then fail to write its log."""
+    import deepsolve.train as T
+
+    out = tmp_path / "run"
+    real = T._RunLock.__init__
+    calls = []
+
+    def init(self, run_dir, locking):
+        calls.append(run_dir)
+        real(self, run_dir, locking)
+        if len(calls) == 1:                      # removed under the first lock taken
+            os.rmdir(run_dir)
+
+    monkeypatch.setattr(T._RunLock, "__init__", init)
+    assert train(out, "--iterations", 2) == 0
+    assert len(calls) == 2 and iterations(out) == [0, 1]
 
 
 # ------------------------------------------------------------------------- one writer
@@ -239,6 +423,20 @@ def _opt_groups(state):
     return state
 
 
+def _group(key, value):
+    def change(state):
+        state["optimizer"]["param_groups"][0][key] = value
+        return state
+    return change
+
+
+def _opt_state(key, value):
+    def change(state):
+        state["optimizer"]["state"][0][key] = value
+        return state
+    return change
+
+
 def _opt_shape(state):
     state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(3)
     return state
@@ -264,6 +462,21 @@ BAD_RESTARTS = [
     ("zero iteration with a trained optimizer", _set("iteration", 0),
      "the optimizer has taken 6 steps"),
     ("not a dict", lambda s: [1, 2, 3], "not a restart file"),
+    # tampered optimizer and model states (resumed silently, or 40-line tracebacks)
+    ("negative lr", _group("lr", -0.02), "the optimizer's lr in parameter group 0 is -0.02, "
+                                         "negative"),
+    ("string lr", _group("lr", "fast"), "lr in parameter group 0 is str 'fast', not a number"),
+    ("betas out of range", _group("betas", (-1, 2)), r"betas in parameter group 0 is \(-1, 2\)"),
+    ("nan eps", _group("eps", float("nan")), "eps in parameter group 0 is nan, not a finite"),
+    ("negative adam step", _opt_state("step", torch.tensor(-3.0)),
+     "step of parameter 0 is negative"),
+    ("negative second moment", _opt_state("exp_avg_sq", torch.tensor(-1.0)),
+     "exp_avg_sq of parameter 0 is negative"),
+    ("nan moment", _opt_state("exp_avg", torch.tensor(float("nan"))),
+     "exp_avg of parameter 0 is not finite"),
+    ("unknown parameter", _group("params", [7]), "parameter mapping 7 is not the optimizer's 0"),
+    ("nan model", _model(lambda m: m.update(rate=torch.tensor(float("nan")))),
+     "the model state's rate holds NaN"),
 ]
 
 
@@ -292,6 +505,60 @@ def test_garbage_restart_file(finished, tmp_path, capsys):
     assert train(out, "--iterations", 12, "--resume") == 2
     assert "cannot read the restart file" in one_line_error(capsys)
     assert iterations(out) == list(range(6))
+
+
+def test_a_fifo_named_restart_pt_is_refused_before_it_is_opened(finished, tmp_path, capsys):
+    """A FIFO named restart.pt hung --resume in open(), holding the directory lock."""
+    out = _copy(finished, tmp_path)
+    (out / "restart.pt").unlink()
+    os.mkfifo(out / "restart.pt")
+    assert train(out, "--iterations", 12, "--resume") == 2
+    msg = one_line_error(capsys)
+    assert "restart.pt: not a regular file (a FIFO)" in msg
+    assert iterations(out) == list(range(6))
+
+
+TWO_SCALARS = """
+import torch
+import deepsolve
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(0.3))
+        self.b = torch.nn.Parameter(torch.tensor(-0.7))
+
+class P(deepsolve.Problem):
+    defaults = {"iterations": 6, "lr": 0.05, "checkpoint_every": 3}
+
+    def build(self, ctx):
+        ctx.model = M().to(ctx.dtype)
+
+    def residuals(self, ctx, iteration):
+        m = ctx.model
+        return {"fit": (m.a - 1) ** 2 + 3 * (m.b + 2) ** 2}
+
+problem = P()
+"""
+
+
+def test_a_permuted_parameter_mapping_is_refused(tmp_path, capsys):
+    """Swapped ids in the optimizer's param_groups (two parameters of the same shape) gave
+    each parameter the other's Adam moments: the run resumed with different losses."""
+    prob = tmp_path / "two.py"
+    prob.write_text(TWO_SCALARS)
+    out = tmp_path / "run"
+    assert cli("train", prob, "--out", out, "--quiet", "--iterations", 3) == 0
+    state = torch.load(out / "restart.pt", weights_only=True)
+    assert state["optimizer"]["param_groups"][0]["params"] == [0, 1]
+    state["optimizer"]["param_groups"][0]["params"] = [1, 0]
+    torch.save(state, out / "restart.pt")
+    capsys.readouterr()
+    assert cli("train", prob, "--out", out, "--quiet", "--iterations", 6, "--resume") == 2
+    msg = one_line_error(capsys)
+    assert "restart.pt does not match this run: the optimizer state's parameter mapping 1, 0 " \
+           "is not the optimizer's 0, 1" in msg
+    assert iterations(out) == [0, 1, 2]
 
 
 def test_a_changed_or_different_problem_file(finished, tmp_path, capsys):
@@ -484,3 +751,38 @@ def test_out_at_a_file_is_one_line(tmp_path, capsys):
     assert train(f, "--iterations", 1) == 2
     assert f"--out {f}: cannot make the run directory" in one_line_error(capsys)
     assert np.array_equal(f.read_text(), "x")
+
+
+def test_two_ctrl_c_in_a_program_raise_keyboard_interrupt_and_keep_the_run(tmp_path):
+    """Called from a program (a notebook), the second Ctrl-C raises KeyboardInterrupt rather
+    than ending the process; the log and the restart file still belong together and the
+    caller's SIGINT handler is back."""
+    import threading
+
+    from deepsolve.train import train as train_fn
+
+    out, gate = tmp_path / "run", tmp_path / "gate"
+
+    def press_twice():
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{gate}.waiting") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)
+        gate.touch()
+
+    before = signal.getsignal(signal.SIGINT)
+    presser = threading.Thread(target=press_twice)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_fn(GATED, overrides={"iterations": 9}, out=str(out), quiet=True,
+                     sets=[f"gate={gate}", "gate_at=4", "checkpoint_every=3"])
+    finally:
+        presser.join(timeout=120)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 3
+    assert iterations(out)[:3] == [0, 1, 2]
+    assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 9, "--resume") == 0
+    assert iterations(out) == list(range(9))

@@ -238,12 +238,22 @@ def test_report_writes_pngs_and_rejects_corrupt_logs(tmp_path, capsys):
     assert run_cli("report", tmp_path / "nothing") == 2
 
 
-def test_plan_command_for_a_problem(capsys):
+def test_plan_command_for_a_problem(capsys, tmp_path):
     assert run_cli("plan", TINY, "--budget", "20000", "--set", "batch=64") == 0
     out = capsys.readouterr().out
     assert "chosen:" in out and "store_all" in out
-    assert run_cli("plan", TINY) == 2
-    assert "--budget" in capsys.readouterr().err
+    assert run_cli("plan", TINY) == 2                      # no budget anywhere: one line
+    err = capsys.readouterr().err
+    assert "the problem has no default budget; give --budget" in err and err.count("\n") == 1
+    # without --budget, the problem's own budget (plan PROBLEM.py said "needs --budget")
+    own = tmp_path / "own_budget.py"
+    own.write_text(open(TINY).read().replace('"extra": 0}', '"extra": 0, "budget": "20000"}'))
+    head = out.split(";")[0]                            # "budget 19.53 KiB for 50 steps"
+    assert head.startswith("budget 19.53 KiB")
+    assert run_cli("plan", own, "--set", "batch=64") == 0
+    assert capsys.readouterr().out.split(";")[0] == head
+    assert run_cli("plan", TINY, "--set", "budget=20000", "--set", "batch=64") == 0
+    assert capsys.readouterr().out.split(";")[0] == head
 
 
 def test_log_is_readable_while_training(tmp_path):

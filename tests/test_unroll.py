@@ -581,3 +581,82 @@ def test_store_all_that_cannot_fit_is_refused_before_it_starts():
         ref = step(ref, i)
     for a, b in zip(g, torch.autograd.grad(ref.sum(), [x0, w]), strict=True):
         assert rel_err(a, b) <= 1e-10
+
+
+# --- the first week: mistakes a new user makes get one line ------------------------------
+
+def test_a_step_without_the_index_or_a_wrong_argument_order_is_one_line():
+    """``step(u)`` ended in a raw Python TypeError from inside the executor; ``unroll(5, x0,
+    10)`` in "'int' object is not callable"."""
+    x0 = torch.ones(3, dtype=DT, requires_grad=True)
+
+    def step(u):
+        return 0.5 * u
+
+    with pytest.raises(TypeError, match=r"the step step\(u\) cannot be called as "
+                                        r"step\(state, i\).*def step\(state, i\)") as e:
+        unroll(step, x0, 10, snapshots=3)
+    assert "\n" not in str(e.value)
+    with pytest.raises(TypeError, match=r"step must be a function step\(state, i\).*got int 5"
+                                        r".*unroll\(step, x0, n_steps\)"):
+        unroll(5, x0, 10)
+    with pytest.raises(TypeError, match="got Tensor"):
+        unroll(x0, step, 10)
+    net = torch.nn.Linear(3, 3)            # forward(input): not a step either
+    with pytest.raises(TypeError, match=r"cannot be called as step\(state, i\)"):
+        unroll(net, x0, 4)
+    # what may be called as step(state, i) is accepted: defaults, *args, a callable object
+    assert unroll(lambda x, i, scale=0.5: scale * x, x0, 2).shape == (3,)
+    assert unroll(lambda *a: a[0] * 0.5, x0, 2).shape == (3,)
+
+
+@pytest.mark.parametrize("kw", [{"snapshots": 3}, {}, {"schedule": "periodic"}])
+def test_an_in_place_step_is_refused_at_step_0(kw):
+    """In place at step 0, before any further step runs; under no_grad (the plain loop,
+    nothing recomputed) it stays allowed."""
+    calls = []
+
+    def step(x, i):
+        calls.append(i)
+        x.mul_(0.5)
+        return x
+
+    with pytest.raises(RuntimeError, match=r"^unroll: step 0 modified its input state in place"):
+        unroll(step, torch.ones(3, dtype=DT, requires_grad=True).clone(), 100, **kw)
+    assert calls == [0]
+    with pytest.raises(RuntimeError, match=r"^unroll: step 0 modified its input state in place"):
+        unroll(step, torch.ones(3, dtype=DT, requires_grad=True), 100, **kw)   # a leaf
+    with torch.no_grad():
+        assert torch.equal(unroll(step, torch.ones(2), 3), torch.full((2,), 0.125))
+
+
+def test_unroll_stats_print_one_line_and_explain_everything():
+    """Printing UnrollStats dumped the plan and its profile on one line."""
+    w = torch.tensor(0.9, dtype=DT, requires_grad=True)
+    st = UnrollStats()
+    y = unroll(lambda x, i: w * x, torch.ones(4, dtype=DT), 200, budget="1MiB", stats=st)
+    y.sum().backward()
+    for text in (repr(st), str(st)):
+        assert "\n" not in text and len(text) < 300, text
+        assert text.startswith("UnrollStats(n_steps=200, schedule=") and "extra=[plan" in text
+    full = st.explain()
+    assert full.count("\n") >= 5 and "plan: budget" in full and "chosen:" in full
+    assert f"{st.advances} unrecorded, {st.recorded} recorded" in full
+
+
+def test_until_without_max_steps_stops_at_the_default_bound(monkeypatch):
+    """A stop condition that never holds ran forever (and grew memory without snapshots)."""
+    import sys
+
+    U = sys.modules["deepsolve.unroll"]        # (deepsolve.unroll is also the function)
+    monkeypatch.setattr(U, "DEFAULT_MAX_STEPS", 50)
+    x0 = torch.ones(3, dtype=DT, requires_grad=True)
+    for kw in ({}, {"snapshots": 3}):
+        with pytest.raises(RuntimeError, match="not met within 50 steps, the default bound of "
+                                               "an until= unroll without max_steps="):
+            unroll(lambda x, i: 0.5 * x, x0, until=lambda x, i: False, **kw)
+    with pytest.raises(RuntimeError, match="within max_steps=60"):   # an explicit bound
+        unroll(lambda x, i: 0.5 * x, x0, until=lambda x, i: False, max_steps=60)
+    y = unroll(lambda x, i: 0.5 * x, x0, until=lambda x, i: i >= 70, max_steps=80)
+    assert torch.allclose(y, x0 * 0.5**70)
+    assert U.DEFAULT_MAX_STEPS == 50 and U.unroll.__doc__ and "100 000" in U.unroll.__doc__

@@ -93,6 +93,39 @@ class UnrollStats(SweepStats):
     state_bytes: int = 0
     adjoint_norms: Any = False
 
+    def __repr__(self) -> str:
+        """One line: the counts, the times and the names of the ``extra`` facts (the plan
+        and the profile in full: :meth:`explain`)."""
+        extra = f", extra=[{', '.join(map(str, self.extra))}]" if self.extra else ""
+        return (f"UnrollStats(n_steps={self.n_steps}, schedule={self.schedule!r}, "
+                f"advances={self.advances}, recorded={self.recorded}, "
+                f"snapshots_peak={self.snapshots_peak}, "
+                f"snapshot_bytes_peak={self.snapshot_bytes_peak}, "
+                f"forward_time={self.forward_time:.4g}, backward_time={self.backward_time:.4g}"
+                f"{extra})")
+
+    __str__ = __repr__
+
+    def explain(self) -> str:
+        """Everything, one fact per line: the counts and times, then each ``extra`` entry
+        (a plan's own ``explain()`` text in full)."""
+        lines = [f"unroll of {self.n_steps} steps: {self.schedule or '(not run)'}",
+                 f"  step evaluations: {self.advances} unrecorded, {self.recorded} recorded",
+                 f"  snapshots: at most {self.snapshots_peak} held, "
+                 f"{self.snapshot_bytes_peak} bytes at most in device memory; one state "
+                 f"{self.state_bytes} bytes",
+                 f"  time: forward {self.forward_time:.4g} s, backward {self.backward_time:.4g} s"]
+        if isinstance(self.adjoint_norms, torch.Tensor):
+            a = self.adjoint_norms
+            lines.append(f"  adjoint norms: {a.numel()} values, |dL/dx_n| {float(a[-1]):.4g}, "
+                         f"|dL/dx_0| {float(a[0]):.4g}")
+        for k, v in self.extra.items():
+            text = v.explain() if callable(getattr(v, "explain", None)) else repr(v)
+            head, *rest = str(text).splitlines() or [""]
+            lines.append(f"  {k}: {head}")
+            lines.extend(f"    {ln}" for ln in rest)
+        return "\n".join(lines)
+
 
 class Tape(NamedTuple):
     """One recorded step: its detached inputs ``x_in`` (leaves that are differentiated

@@ -108,6 +108,9 @@ class Step:
         self._sd = [(t.shape, t.dtype) for t in proto]
         self._single = len(proto) == 1
         self._shape0, self._dtype0 = proto[0].shape, proto[0].dtype
+        # with grad, states are restored and recomputed: the first call checks that the step
+        # leaves its input as it was (a no-grad unroll is the plain loop, where it may not)
+        self.check_input = torch.is_grad_enabled()
 
     def __call__(self, leaves: list[torch.Tensor], i: int):
         """Returns ``(next_leaves, output_leaves)``: the hot path; the structure is checked
@@ -148,8 +151,26 @@ class Step:
             return
 
     def first(self, leaves: list[torch.Tensor], i: int):
-        """The first call: decide whether the step returns outputs, and check structure."""
-        res = self.fn(self._unflat(leaves), i)
+        """The first call: decide whether the step returns outputs, and check structure; a
+        step that modifies its input in place is refused here, at step ``i`` (the input's
+        version counters), not in the reverse sweep after a whole forward sweep."""
+        versions = _versions(leaves) if self.check_input else [None] * len(leaves)
+        try:
+            res = self.fn(self._unflat(leaves), i)
+        except RuntimeError as e:
+            if "in-place" not in str(e):
+                raise
+            raise RuntimeError(f"unroll: step {i} modified its input state in place, or "
+                               "another tensor that requires grad "
+                               f"({' '.join(str(e).split())[:200]}); a step must return new "
+                               "tensors (x = x * a, not x *= a or x.mul_(a))") from None
+        changed = [k for k, (t, v) in enumerate(zip(leaves, versions, strict=True))
+                   if v is not None and _version(t) != v]
+        if changed:
+            raise RuntimeError(f"unroll: step {i} modified its input state in place (state "
+                               f"leaf {changed[0]}); a step must return new tensors (x = x * a, "
+                               "not x *= a or x.mul_(a)), since the unroll restores and "
+                               "recomputes states from snapshots")
         if self.has_output is None:
             self.has_output = not self._matches(res) and isinstance(res, tuple) and \
                 len(res) == 2 and self._matches(res[0])
@@ -243,3 +264,16 @@ def _check_meta(tensors: Sequence[Any], meta: Sequence[tuple], i: int, kind: str
                 f"unroll: step {i} changed {kind} leaf {k} from {tuple(shape)} {dtype} on "
                 f"{device} to {tuple(t.shape)} {t.dtype} on {t.device}; a step must return "
                 + what)
+
+
+def _version(t: Any) -> int | None:
+    """A tensor's version counter (bumped by every in-place change); ``None`` where it has
+    none (an inference tensor, not a tensor)."""
+    try:
+        return int(t._version)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _versions(leaves: Sequence[Any]) -> list[int | None]:
+    return [_version(t) for t in leaves]

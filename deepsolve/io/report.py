@@ -5,17 +5,21 @@ docs/h5-log.md when present (``loss``, ``loss/<term>``, ``metric/<name>``, ``tim
 ``time_forward``, ``time_backward``, ``peak_real_memory``, ``peak_tracked_memory``,
 ``peak_device_memory``, ``peak_host_memory``, ``budget_bytes``, ``advances``, ``recorded``,
 ``schedule``, ``lr``, ``grad_norm``; the attributes ``device``, ``weights``,
-``initial_metrics`` and ``budget_bytes``) and is skipped when absent.
+``initial_metrics``, ``budget_bytes`` and ``threads``, the thread count the run used, which
+the config table shows beside a ``threads`` setting of 0) and is skipped when absent.
 
 The plots (:func:`figures` builds them as matplotlib figures, :func:`plot_log` saves them):
 ``loss.png`` the total loss and each term weighted (``w * loss/<term>``, so they add up to
-the total); ``memory.png`` the real and the tracked peak per iteration, labelled for the
-device, and the budget as a dashed line; ``time.png``; ``metrics.png`` one panel per group
-of metrics (names sharing their first ``_``-separated token) or per metric, each on its own
-axis, with the value before training (``initial_metrics``) as a marker at iteration -1;
-``gradients.png`` the gradient norm before clipping (``grad_norm``) against iteration and,
-for a run with ``adjoint_every``, the adjoint norms ``||dL/dx_i||`` against step ``i``, one
-curve per logged iteration (at most :data:`MAX_CURVES`), both on log scales.
+the total); ``memory.png`` the real peak of the whole iteration and the tracked peak,
+labelled for the device, and the budget as a dashed line labelled for what it bounds (what
+the unroll adds to the peak, not the whole iteration); ``time.png``; ``metrics.png`` one
+panel per group of metrics (names sharing their first ``_``-separated token) or per metric,
+each on its own axis, with the value before training (``initial_metrics``) as a marker at
+iteration -1; ``gradients.png`` the gradient norm before clipping (``grad_norm``) against
+iteration and, for a run with ``adjoint_every``, the adjoint norms ``||dL/dx_i||`` against
+step ``i``, one curve per logged iteration (at most :data:`MAX_CURVES`), both on log scales.
+They are written into the run directory (or ``--out``) as a temporary file renamed over the
+name, so a symbolic link planted at ``RUN_DIR/loss.png`` is replaced, never written through.
 
 The work is bounded whatever the log holds: at most :data:`MAX_SERIES` loss terms and
 metrics are drawn per plot, in at most :data:`MAX_PANELS` metric panels, and
@@ -37,7 +41,7 @@ import numpy as np
 from .h5log import INT_MISSING, LogData, read_log
 
 __all__ = ["report", "summarize", "plot_log", "figures", "ReportError", "MAX_SERIES",
-           "MAX_PANELS", "MAX_TABLE_ROWS"]
+           "MAX_PANELS", "MAX_TABLE_ROWS", "REAL_PEAK", "BUDGET"]
 
 _MIB = 2.0**20
 
@@ -121,8 +125,9 @@ def _summary_memory(log: LogData) -> list[tuple[str, str]]:
     """(column, label) of the memory figures in the summary: the largest peak of each."""
     kind = _device_kind(log)
     if "peak_real_memory" in log.columns:
-        real = {"cpu": "real (RSS above baseline)",
-                "cuda": "real (max_memory_allocated)"}.get(kind or "", "real")
+        real = {"cpu": "real, whole iteration (RSS above baseline)",
+                "cuda": "real, whole iteration (max_memory_allocated)"}.get(
+                    kind or "", "real, whole iteration")
         out = [("peak_real_memory", real), ("peak_tracked_memory", "tracked")]
         if kind != "cuda":
             out.append(("peak_host_memory", "process RSS"))
@@ -217,7 +222,7 @@ def summarize(log: LogData) -> str:
             mem.append(f"{label} {_bytes(float(np.nanmax(a[_finite(a)])))}")
     budget = _budget(log)
     if mem and budget is not None:
-        mem.append(f"budget {_bytes(float(np.nanmax(budget)))}")
+        mem.append(f"budget of the unroll {_bytes(float(np.nanmax(budget)))}")
     if mem:
         extra.append(f"{'peak memory':<17}" + ", ".join(mem))
     evals = []
@@ -254,8 +259,13 @@ def summarize(log: LogData) -> str:
         items = [(k, v) for k, v in items if k]
         if items:
             w = min(max(len(k) for k, _ in items), 32)
+            ran_with = _number(log.attrs.get("threads"))   # what the run used
             for k, v in items[:40]:
-                lines.append(f"  {k:<{w}} = {_short(v)}")
+                shown = _short(v)
+                if k == "threads" and ran_with is not None and _number(v) != ran_with:
+                    why = "the default, OMP_NUM_THREADS or 1" if _number(v) == 0 else "asked"
+                    shown = f"{int(ran_with)} (used; the setting is {shown}: {why})"
+                lines.append(f"  {k:<{w}} = {shown}")
             if len(items) > 40:
                 lines.append(f"  ... ({len(items) - 40} more entries)")
     return "\n".join(lines)
@@ -267,6 +277,12 @@ MAX_PANELS = 12
 """Most panels of metrics.png (a grid of at most 4 rows of 3); the first ones in column order."""
 
 _TRACKED = "tracked by deepsolve (saved tensors + snapshots)"
+#: What memory.png calls the real peak and the budget: the budget bounds what the unroll adds
+#: to the peak (docs/budget.md); the real peak is the whole iteration's (the unroll under its
+#: budget, the optimiser, the model and data, what the step profile leaves resident), so it
+#: may well lie above the budget line without the budget having been broken.
+REAL_PEAK = "real peak of the whole iteration"
+BUDGET = "budget: bounds what the unroll adds to the peak"
 _BEFORE = "before training"
 
 _Series = tuple[str, np.ndarray, dict]
@@ -405,8 +421,8 @@ def _loss_figure(log: LogData, x: np.ndarray) -> _Built:
 def _memory_columns(log: LogData) -> list[tuple[str, str, dict]]:
     """(column, label, style) of the memory curves, labelled for what they measured."""
     kind = _device_kind(log)
-    real = {"cpu": "real peak (RSS above the run's baseline)",
-            "cuda": "real peak (max_memory_allocated)"}.get(kind or "", "real peak")
+    real = {"cpu": REAL_PEAK + " (RSS above the run's baseline)",
+            "cuda": REAL_PEAK + " (max_memory_allocated)"}.get(kind or "", REAL_PEAK)
     rss = {"color": "0.45", "ls": ":", "lw": 1.2}
     if "peak_real_memory" in log.columns:
         cols: list[tuple[str, str, dict]] = [("peak_real_memory", real, {"color": "C0", "lw": 1.6}),
@@ -453,10 +469,10 @@ def _memory_figure(log: LogData, x: np.ndarray) -> _Built:
     top = float(_values(data).max()) if len(_values(data)) else 0.0
     if b is not None:
         bv = _values([b])
-        label = "budget"
+        label = BUDGET
         cut_axis = not logy and top > 0 and float(bv.min()) > 10 * top
         if cut_axis:            # a linear axis up to the budget would flatten every curve
-            label = f"budget ({_fmt(float(bv.max()))} MiB, above the plot)"
+            label = f"{BUDGET} ({_fmt(float(bv.max()))} MiB, above the plot)"
         style = {"color": "red", "ls": "--", "lw": 1.2}
         if b.ndim == 0 or float(bv.min()) == float(bv.max()):
             ax.axhline(float(bv.max()), label=label, **style)
@@ -469,7 +485,11 @@ def _memory_figure(log: LogData, x: np.ndarray) -> _Built:
         ax.set_yscale("log")
     dev = log.attrs.get("device")
     where = f" ({_short(dev, 20)})" if isinstance(dev, str) and dev else ""
-    _finish(ax, "iteration", "MiB", f"peak memory per iteration{where}")
+    title = f"peak memory per iteration{where}"
+    if b is not None and "peak_real_memory" in log.columns:
+        title += ("\nthe budget bounds what the unroll adds; the real peak is the whole "
+                  "iteration's")
+    _finish(ax, "iteration", "MiB", title)
     return fig, None
 
 
@@ -676,11 +696,34 @@ def _out_dir(out_dir: str | os.PathLike, make: bool) -> Path:
 
 
 def _save(p: Path, fig: Any) -> None:
+    """Write ``fig`` as ``p`` without ever writing through a link: into a new temporary file
+    in ``p``'s directory (``O_EXCL | O_NOFOLLOW``), renamed over ``p`` with ``os.replace``,
+    which replaces a symbolic link planted at ``p`` instead of following it out of the
+    directory."""
+    if p.is_dir() and not p.is_symlink():
+        raise ReportError(f"--out {p.parent}: cannot write {p.name} (a directory has that "
+                          "name)")
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
     try:
-        fig.savefig(p, dpi=100)
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileExistsError:   # left by a killed report of this pid, or planted
+            os.remove(tmp)
+            fd = os.open(tmp, flags, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, dpi=100, format="png")
+        os.replace(tmp, p)
     except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
         raise ReportError(f"--out {p.parent}: cannot write {p.name} "
                           f"({e.strerror or ' '.join(str(e).split())})") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def plot_log(log: LogData, out_dir: str | os.PathLike) -> list[Path]:
