@@ -137,8 +137,9 @@ def test_budget_below_one_recorded_step_is_refused_after_one_recorded_step():
 
     with pytest.raises(BudgetError, match="below the minimum"):
         deepsolve.plan(counted, x0, N, budget=minimum - MiB)
-    # the advance (warm-up + 3 timed), a warm-up and a measured recorded step
-    assert len(calls) <= 6, len(calls)
+    # the advance (warm-up + 3 timed), a warm-up recorded step, three for its objects and
+    # the measured one
+    assert len(calls) <= 9, len(calls)
 
 
 def test_more_budget_never_slower():

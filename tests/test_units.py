@@ -29,11 +29,11 @@ pytestmark = pytest.mark.skipif(not hostalloc.install() or heap_in_use() is None
                                 reason="needs the host allocator and glibc's counters")
 
 
-def test_quantize_rounds_up_by_at_most_a_sixteenth():
+def test_quantize_rounds_up_by_at_most_an_eighth():
     last = 0
     for x in list(range(1, 5000, 7)) + [10**6 + 3, 2**30 - 1]:
         q = quantize(x)
-        assert x <= q <= max(x * 17 / 16, x + 16) and q >= last
+        assert x <= q <= max(x * 9 / 8, x + 16) and q >= last
         last = q
     assert quantize(1000) == quantize(1001) and quantize(0) == 0
 
@@ -57,24 +57,30 @@ hostalloc.set_limit(hostalloc.live() + 2**34)  # as under a budget: large blocks
 ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap pages returned: what is touched counts
 before = process_status("VmRSS:")
 y = deepsolve.unroll(step, x0, n, schedule=schedule)
-print(json.dumps({"model": model, "real": (process_status("VmRSS:") - before) / count}))
+real = process_status("VmRSS:")
+if unit == "link":  # a chain is held for its backward, which adds its record of the nodes
+    seen = []
+    y.register_hook(lambda g: seen.append(process_status("VmRSS:")))
+    y.sum().backward()
+    real = seen[0]
+print(json.dumps({"model": model, "real": (real - before) / count}))
 """
 
 
 @pytest.mark.parametrize("unit", ["slot", "kept", "link"])
-@pytest.mark.parametrize("kind, count", [("ks", 3000), ("ks64", 300)])
+@pytest.mark.parametrize("kind, count", [("ks", 10_000), ("ks64", 300)])
 def test_units_are_what_the_engine_holds_at_scale(kind, count, unit):
     """The resident memory per snapshot of a revolve, per tape of a recorded tail or per
-    link of a store-all chain, a few hundred to a few thousand of them in a fresh process
-    (large blocks mapped as under a budget, the heap's free pages returned first, so that
-    what the unroll touches is what it costs): the probe's unit (what the planner prices
-    schedules with) is within -5 % and +15 % of it — never much below, so a budget holds,
-    and not far above, so it is used."""
+    link of a store-all chain (with what its backward adds when it starts), a few hundred
+    to a few thousand of them in a fresh process (large blocks mapped as under a budget, the
+    heap's free pages returned first, so that what the unroll touches is what it costs): the
+    probe's unit (what the planner prices schedules with) is within -5 % and +20 % of it —
+    never much below, so a budget holds, and not far above, so it is used."""
     out = subprocess.run([sys.executable, "-c", SCALE, os.path.join(HERE, "data"), kind, unit,
                           str(count)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert 0.95 * r["real"] <= r["model"] <= 1.15 * r["real"], r
+    assert 0.95 * r["real"] <= r["model"] <= 1.2 * r["real"], r
     if kind == "ks" and unit == "kept":  # at 1 KiB the objects are most of a kept tape
         step, x0, _ = build(kind)
         p = profile_step(step, x0)
@@ -100,7 +106,8 @@ print(json.dumps(rows))
 @pytest.mark.slow
 def test_the_units_are_the_same_in_every_process():
     """Three fresh processes with different hash seeds (and so different orders of frees in
-    the C library's main arena) measure the same bytes to the byte."""
+    the C library's main arena) measure the same bytes to the byte, for each of three steps
+    profiled one after the other."""
     seen = set()
     for seed in ("1", "2", "3"):
         env = dict(os.environ, PYTHONHASHSEED=seed)

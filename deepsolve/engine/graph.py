@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["saved_bytes", "graph_leaves", "sequence_marker", "unseen_leaf",
+__all__ = ["saved_bytes", "graph_leaves", "graph_nodes", "sequence_marker", "unseen_leaf",
            "constant_leaves", "closure_leaves", "discover", "pull_back"]
 
 
@@ -100,6 +100,18 @@ def _walk(roots: Sequence[torch.Tensor], visit) -> None:
         seen.add(node)
         if visit(node):
             todo.extend(f for f, _ in node.next_functions)
+
+
+def graph_nodes(roots: Sequence[torch.Tensor]) -> int:
+    """The number of autograd nodes behind ``roots`` (for profiling)."""
+    count = [0]
+
+    def visit(node) -> bool:
+        count[0] += 1
+        return True
+
+    _walk(roots, visit)
+    return count[0]
 
 
 def graph_leaves(roots: Sequence[torch.Tensor], stop: dict, marker: int,

@@ -7,12 +7,11 @@
 //  * small blocks (< big_from bytes) and, outside a budget, all blocks come from the C
 //    library's malloc, 64-byte aligned as PyTorch's default allocator aligns them: malloc
 //    of the request plus 64 bytes, the tensor at the first 64-byte boundary 16 bytes or
-//    more into the block, the block's address stored in the 8 bytes before the tensor.
-//    `live` counts the block's usable size (malloc_usable_size: the request, the 64 bytes
-//    and the allocator's rounding).  Plain malloc rather than posix_memalign because the
-//    size of a block posix_memalign hands out depends on the address it lands at (the
-//    alignment's leftovers), so the same tensor would count differently in two processes;
-//    malloc's does not.
+//    more into the block, the block's address and its counted size stored in the 16 bytes
+//    before the tensor.  `live` counts the chunk malloc carves for the request (the request,
+//    the 64 bytes, the header, the 16-byte granule: see `nominal`).  Plain malloc rather
+//    than posix_memalign, whose chunks' sizes depend on the address they land at (the
+//    alignment's leftovers).
 //  * under a budget (`limit >= 0`), blocks of big_from bytes and more are whole pages mapped
 //    with mmap; a freed one is kept in a cache, keyed by its size, as long as the bytes live
 //    plus the bytes cached stay within `limit`, and handed out again to the next request of
@@ -73,11 +72,18 @@ void count(int64_t delta) {
   }
 }
 
+// what a small block counts: the request, the 64-byte prefix and malloc's chunk header,
+// rounded to malloc's 16-byte granule — the size of the chunk malloc carves for it, not the
+// chunk it happens to hand out (which can be up to 31 bytes larger when the free chunk it
+// splits has no room for a remainder: that depends on the heap's history, so the same
+// tensor would count differently in two processes)
+inline int64_t nominal(size_t n) { return static_cast<int64_t>((n + 64 + 8 + 15) & ~size_t{15}); }
+
 void free_small(void* p) {
   if (p == nullptr) return;
   c10::profiledCPUMemoryReporter().Delete(p);
   void* block = *(reinterpret_cast<void**>(p) - 1);
-  count(-static_cast<int64_t>(malloc_usable_size(block)));
+  count(-*(reinterpret_cast<int64_t*>(p) - 2));
   std::free(block);
 }
 
@@ -90,7 +96,9 @@ c10::DataPtr allocate_small(size_t n) {
   auto addr = reinterpret_cast<uintptr_t>(block);
   void* p = reinterpret_cast<void*>((addr + 16 + 63) & ~static_cast<uintptr_t>(63));
   *(reinterpret_cast<void**>(p) - 1) = block;
-  count(static_cast<int64_t>(malloc_usable_size(block)));
+  int64_t counted = nominal(n);
+  *(reinterpret_cast<int64_t*>(p) - 2) = counted;
+  count(counted);
   c10::profiledCPUMemoryReporter().New(p, n);
   return {p, p, &free_small, c10::Device(c10::DeviceType::CPU)};
 }

@@ -49,7 +49,7 @@ does not weigh it.
 *The same figures in every process.* On the CPU the whole profile runs in a thread of its
 own, with large blocks mapped whole pages: the C library's free blocks from this process's
 history (whose order differs between processes) do not change what the step's blocks cost,
-and the engine's units are medians over identical units, rounded up to 1/16 of their order
+and the engine's units are medians over identical units, rounded up to 1/8 of their order
 of magnitude. A budget then gives one plan.
 
 Profiles are cached per (step, state shapes, dtypes, device, policy name) so a training loop
@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import statistics
 import time
 import weakref
@@ -80,6 +81,7 @@ from ..engine import (
     Step,
     get_rng,
     graph_leaves,
+    graph_nodes,
     policy_context,
     policy_name,
     pull_back,
@@ -90,7 +92,14 @@ from ..engine import (
 from . import hostalloc
 from .live import LiveBytes, heap_in_use
 from .saved import SavedTensors
-from .units import HEAP_RESIDENT, in_fresh_thread, measure_units, probe_peak, quantize
+from .units import (
+    HEAP_RESIDENT,
+    backward_bytes_per_node,
+    in_fresh_thread,
+    measure_units,
+    probe_peak,
+    quantize,
+)
 
 __all__ = ["StepProfile", "profile_step", "clear_profile_cache"]
 
@@ -112,8 +121,9 @@ class StepProfile:
     ``units_measured`` says whether K, C and ``slot_extra`` come from the engine's probe or
     are estimated (a budget too small to warrant the probe: few units fit); ``tensors_kept``
     and ``tensors_reverse`` are K and M of the tensors alone, ``step_objects`` what the C
-    library counts beside the tensors of one recorded step (its graph's nodes and records);
-    ``profile_peak`` is the most the profile held at once.
+    library counts beside the tensors of one recorded step (its graph's nodes and records),
+    ``backward_bytes`` what autograd's engine keeps per step of a chain it reverses whole
+    (part of C); ``profile_peak`` is the most the profile held at once.
     """
 
     state_bytes: int
@@ -143,6 +153,7 @@ class StepProfile:
     tensors_kept: int = 0
     tensors_reverse: int = 0
     step_objects: int = 0
+    backward_bytes: int = 0
 
     @property
     def plain_reverse_bytes(self) -> int:
@@ -303,6 +314,7 @@ class _Memory:
     grads: int = 0
     measured: bool = True
     objects: int = 0
+    nodes: int = 0
 
 
 def _measure(record, x: list[torch.Tensor], params, device: torch.device,
@@ -326,15 +338,33 @@ def _measure(record, x: list[torch.Tensor], params, device: torch.device,
                 y, out = record(warm, 0)
         else:
             y, out = record(warm, 0)
+        mem.nodes = graph_nodes([t for t in (*y, *out) if t.requires_grad])
         _backward(y, out, warm, params)
         del y, out, warm
-    heap = heap_in_use() if device.type == "cpu" and hostalloc.active() else None
+    if device.type == "cpu" and hostalloc.active():
+        # the C library's count beyond the tensors of a recorded step — its graph's nodes,
+        # records and tensor objects: the median of three, one step held at a time
+        def objects() -> int:
+            seen = []
+            for _ in range(3):
+                h0, t0 = heap_in_use() or 0, hostalloc.live()
+                with torch.enable_grad():
+                    y, out = record(_fresh(x), 0)
+                seen.append(max((heap_in_use() or 0) - h0 - (hostalloc.live() - t0), 0))
+                del y, out
+            return int(statistics.median(seen))
+
+        collecting = gc.isenabled()
+        gc.disable()  # a collection would free others' garbage between the readings
+        try:
+            mem.objects = in_fresh_thread(objects)  # an arena as new: the same everywhere
+        finally:
+            if collecting:
+                gc.enable()
     with LiveBytes(device) as lb:  # no hooks here: they would add objects of their own
         with torch.enable_grad():
             y, out = record(x_in, 0)
         k = lb.mark()
-        if heap is not None:  # the C library's count beyond the tensors: the step's graph
-            mem.objects = max((heap_in_use() or 0) - heap - lb.at(k), 0)
         roots, found, inputs = _roots_and_inputs(y, out, x_in, params)
         if roots and inputs:
             seed = [seeds[j] if j < len(y) else torch.ones_like(t)
@@ -426,7 +456,8 @@ def _profile_step(step, state, params, repeats: int, cache: bool,
         device=str(device), kept_bytes=mem.kept, reverse_bytes=mem.reverse + step_objects,
         advance_bytes=advance, chain_bytes=mem.kept, measured=mem.measured,
         draws_random=draws, profile_peak=max(advance, mem.reverse), tensors_kept=mem.kept,
-        tensors_reverse=mem.reverse, step_objects=step_objects)
+        tensors_reverse=mem.reverse, step_objects=step_objects,
+        backward_bytes=mem.nodes * backward_bytes_per_node() if device.type == "cpu" else 0)
     units = True if gate is None else gate(prof)  # one recorded step is known: refuse now
     t_rec, t_bwd = zip(*(_timed(plain, x, params, cuda) for _ in range(repeats)), strict=True)
     prof = dataclasses.replace(prof, t_record=statistics.median(t_rec),
@@ -441,8 +472,8 @@ def _estimated_units(prof: StepProfile) -> StepProfile:
     """Units from one recorded step — its tensors and the objects the C library counted
     beside them — where the budget is too small to warrant the engine's probe (few fit)."""
     kept = prof.tensors_kept + prof.step_objects
-    return dataclasses.replace(prof, kept_bytes=kept, chain_bytes=kept, slot_extra=1024,
-                               units_measured=False)
+    return dataclasses.replace(prof, kept_bytes=kept, chain_bytes=kept + prof.backward_bytes,
+                               slot_extra=1024, units_measured=False)
 
 
 def _with_units(prof: StepProfile, step, state, params) -> StepProfile:
@@ -452,7 +483,8 @@ def _with_units(prof: StepProfile, step, state, params) -> StepProfile:
                           device=torch.device(prof.device))
     working = max(prof.advance_bytes, prof.reverse_bytes)
     return dataclasses.replace(
-        prof, kept_bytes=max(units.kept, tensors_kept), chain_bytes=units.link,
+        prof, kept_bytes=max(units.kept, tensors_kept),
+        chain_bytes=units.link + prof.backward_bytes,
         slot_extra=max(units.slot - S_, 0), units_measured=units.measured,
         profile_peak=max(working, units.peak or probe_peak(units.slot, units.kept, units.link,
                                                            S_, working)))
@@ -553,7 +585,7 @@ def _profile_policy(step, state, params, repeats: int, cache: bool, policy, cont
         base_reverse_bytes=base.reverse_bytes,
         t_record=statistics.median(t_rec), t_backward=statistics.median(t_bwd),
         kept_bytes=max(units.kept, mem.kept), reverse_bytes=mem.reverse + objects,
-        chain_bytes=units.link,
+        chain_bytes=units.link + base.backward_bytes,
         scratch_bytes=max(mem.reverse - mem.kept, 0), measured=mem.measured and base.measured,
         saves=saves, t_extra=statistics.median(t_extra))
     if cacheable:

@@ -22,13 +22,14 @@ is measured by running the engine:
   larger ones come from ``malloc`` and are in its count already);
 * the plain loop of ``store_all`` over ``c`` recorded steps (run as an unroll of unknown
   length, whose stop condition reads after every step) gives one link of an autograd
-  chain, read the same way, and what the backward of the whole chain adds per link when it
-  starts (autograd's engine keeps a record of every node of the graph it runs: about 150
-  bytes a node, several KiB per step of small ops).
+  chain, read the same way; what the backward of the whole chain adds when it starts —
+  autograd's engine keeps a record of every node of the graph it runs, a few KiB per step of
+  small ops — is :data:`BACKWARD_BYTES_PER_NODE` times the step's nodes.
 
-Per unit: the median difference between consecutive readings after the first unit (the
-first call of a code path allocates caches that are not the unit's; a tuple or a list taken
-from Python's free lists is not a new allocation, and the median does not see such luck). A
+Per unit: the median of the later half of the differences between consecutive readings (the
+first units of a code path allocate caches and grow lists that are not the units'; a tuple or
+a list taken from Python's free lists is not a new allocation, and the median does not see
+such luck). A
 snapshot also costs what the schedule keeps of it (revolve's frames) and its entry in the
 interpreter's table: :func:`bookkeeping`, measured once on a revolve of 1024 snapshots.
 What is in use is not all that is resident: the C library's free holes between small
@@ -43,12 +44,15 @@ eight times what it holds (below that few units fit, and they are estimated).
 *One budget, one plan.* The probe runs in a thread of its own (:func:`in_fresh_thread`),
 so the C library serves its blocks from an arena and a thread cache that this process's
 history has not touched: the readings are the same in every process, to the byte. The
-objects' bytes are then rounded *up* to 1/16 of their binary order of magnitude (at most
-6.25 % more, see :func:`quantize`).
+objects' bytes are then rounded *up* to 1/8 of their binary order of magnitude (at most
+12.5 % more of them, see :func:`quantize`): what Python's free lists and the C library's
+reuse of a slightly larger chunk move by a few bytes does not move the figure.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import math
 import statistics
@@ -68,7 +72,8 @@ from . import hostalloc
 from .live import heap_in_use
 
 __all__ = ["Units", "measure_units", "quantize", "probe_counts", "probe_peak", "PROBE_BYTES",
-           "HEAP_RESIDENT", "PYMALLOC_RESIDENT", "python_objects", "in_fresh_thread", "bookkeeping"]
+           "HEAP_RESIDENT", "PYMALLOC_RESIDENT", "python_objects", "in_fresh_thread", "bookkeeping",
+    "backward_bytes_per_node", "BACKWARD_BYTES_PER_NODE"]
 
 PROBE_BYTES = 64 * 1024
 """Units smaller than this get a second pass that traces Python's objects."""
@@ -110,6 +115,8 @@ def bookkeeping() -> int:
 
         s = 1024
         tracing = tracemalloc.is_tracing()
+        collecting = gc.isenabled()
+        gc.disable()  # a collection would free others' garbage between the readings
         if not tracing:
             tracemalloc.start(1)
         try:
@@ -124,18 +131,21 @@ def bookkeeping() -> int:
         finally:
             if not tracing:
                 tracemalloc.stop()
+            if collecting:
+                gc.enable()
         table = sys.getsizeof({(0, i): None for i in range(s)}) / s
         _bookkeeping = quantize(PYMALLOC_RESIDENT * frames + HEAP_RESIDENT * table)
     return _bookkeeping
 
 
 def quantize(nbytes: float) -> int:
-    """``nbytes`` rounded up to a multiple of 1/16 of its binary order of magnitude
-    (``2**(floor(log2(x)) - 4)``, at least 16 bytes): at most 6.25 % more, and a quantity
-    that moves by less than a step between processes gives the same number."""
+    """``nbytes`` rounded up to a multiple of 1/8 of its binary order of magnitude
+    (``2**(floor(log2(x)) - 3)``, at least 16 bytes): at most 12.5 % more (of the objects'
+    part only: tensors are counted exactly), and a quantity that moves by less than a step
+    between processes gives the same number."""
     if nbytes <= 0:
         return 0
-    step = max(16, 2 ** (math.floor(math.log2(nbytes)) - 4))
+    step = max(16, 2 ** (math.floor(math.log2(nbytes)) - 3))
     return int(math.ceil(nbytes / step) * step)
 
 
@@ -217,15 +227,18 @@ def probe_peak(slot: int, kept: int, link: int, state_bytes: int, working: int) 
 
 def _per_unit(reads: list, before, mean: bool = False) -> tuple[float, ...]:
     """Per unit from readings after each unit (``before``: the reading before the first):
-    the median of the differences between consecutive readings after the first unit — the
-    same units allocate the same bytes, and a one-off allocation among them (a cache filled)
-    moves one difference, not the median; or their ``mean``, which spreads the growth of the
+    the median of the later half of the differences between consecutive readings — the same
+    units allocate the same bytes once the lists and tables around them have grown, and a
+    one-off allocation among them (a cache filled) moves one difference, not the median; or
+    their ``mean``, which spreads the growth of the
     interpreter's own tables (dicts of snapshots and tapes) over the units."""
     if len(reads) >= 2:
         if mean:
             return tuple((b - a) / (len(reads) - 1) for a, b in zip(reads[0], reads[-1],
                                                                   strict=True))
-        return tuple(statistics.median(b[j] - a[j] for a, b in zip(reads, reads[1:], strict=False))
+        later = list(zip(reads, reads[1:], strict=False))
+        later = later[len(later) // 2:]  # the steady state: lists and tables grown already
+        return tuple(statistics.median(b[j] - a[j] for a, b in later)
                      for j in range(len(reads[0])))
     return tuple(b - a for a, b in zip(before, reads[0], strict=True))
 
@@ -246,25 +259,66 @@ def _run(step, x0, params, k: int, m: int, c: int, read, policy: Any,
             gc.enable()
 
 
+def _load_trim():
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return trim
+
+
+_trim = _load_trim()
+
+
+_inside = threading.local()  # set in a measuring thread: nested calls run in it
+_parked: list[threading.Event] = []
+PARKED = 8
+"""Measuring threads kept (idle) after their measurement, so that their malloc arenas are
+never handed to a later thread; beyond these, threads exit and later measurements may take
+over an arena with a history (their figures can then differ by a few bytes per unit)."""
+
+
 def in_fresh_thread(fn, *args):
-    """``fn(*args)`` in a new thread (autocast settings carried over, exceptions re-raised):
-    the C library gives it a malloc arena and a thread cache of its own, so what the
-    measured blocks cost does not depend on the free blocks this process's history left in
-    the main thread's arena (which varies between processes: the order of frees follows
-    object addresses). Measured figures are then the same in every process."""
+    """``fn(*args)`` in a new thread (autocast settings carried over, exceptions re-raised;
+    called from inside such a thread, it runs there).
+
+    The C library gives a new thread a malloc arena and a thread cache of its own, so what
+    the measured blocks cost does not depend on the free blocks this process's history left
+    in the main thread's arena — which differ between processes (the order of frees follows
+    object addresses). An arena of an exited thread would be handed to the next new thread
+    with its own history, so a measuring thread is kept, idle, after its work (up to
+    :data:`PARKED` of them, their free pages given back with ``malloc_trim``): each
+    measurement starts from an arena that has served nothing else, and its figures are the
+    same in every process."""
+    if getattr(_inside, "active", False):
+        return fn(*args)
     out: list = []
+    done = threading.Event()
+    release = threading.Event()
     autocast = autocast_state()  # thread-local in PyTorch: carried over
+    park = len(_parked) < PARKED
 
     def run() -> None:
+        _inside.active = True
         try:
             with Autocast(autocast):
                 out.append((True, fn(*args)))
         except BaseException as e:  # re-raised in the caller
             out.append((False, e))
+        done.set()
+        if park:
+            if _trim is not None:
+                _trim(0)  # the arena's free pages back to the system
+            release.wait()
 
-    t = threading.Thread(target=run, name="deepsolve-probe")
+    t = threading.Thread(target=run, name="deepsolve-measure", daemon=True)
     t.start()
-    t.join()
+    done.wait()
+    if park:
+        _parked.append(release)
+    else:
+        t.join()
     ok, value = out[0]
     if not ok:
         raise value
@@ -288,23 +342,26 @@ def _probe_and_chain(user_step, x0, params, k, m, c, read, policy, mean, probe) 
                   for t in pytree.tree_leaves(x0)]
         xg = pytree.tree_unflatten(leaves, pytree.tree_structure(x0))
         y = execute(step, xg, None, until=links, params=params, policy=policy)
-        # the backward of the whole chain: autograd's engine keeps a record of every node
-        # (its dependencies, what to capture) from its start; read it when it starts
-        roots = [t for t in pytree.tree_leaves(y)
-                 if isinstance(t, torch.Tensor) and t.requires_grad]
-        task = tuple(0.0 for _ in chain[0])
-        if roots:
-            started: list = []
-            roots[0].register_hook(lambda g: started.append(read()))
-            before = read()
-            torch.autograd.grad([r.sum() for r in roots], leaves, allow_unused=True)
-            task = tuple(max(b - a, 0) / c for a, b in zip(before, started[0], strict=True))
-        del y, roots
+        del y
     slot = _per_unit(probe.slot_reads, probe.slot_reads[0], mean)
     kept = _per_unit(probe.tape_reads, probe.slot_reads[-1], mean)
-    link = tuple(a + b for a, b in zip(_per_unit(chain[1:], chain[0], mean), task,
-                                       strict=True))
+    link = _per_unit(chain[1:], chain[0], mean)
     return slot, kept, link
+
+
+BACKWARD_BYTES_PER_NODE = 128
+"""What autograd's engine keeps per node of a graph it runs, from the start of a backward:
+its dependency count and, for ``torch.autograd.grad``, what to capture, in hash tables that
+grow with the graph. Measured at the first hook of the backward of long chains: 143–146
+bytes a node of the C library's in-use count over 10^3–4·10^3 small products; 65–100 bytes of
+resident memory a node over 10^4 steps of the Kuramoto–Sivashinsky step of the tests. A chain reversed whole
+(store-all) pays it per node on top of its links; a constant rather than a measurement
+because the tables grow in steps, so that a short calibration chain misjudges a long one."""
+
+
+def backward_bytes_per_node() -> int:
+    """:data:`BACKWARD_BYTES_PER_NODE`."""
+    return BACKWARD_BYTES_PER_NODE
 
 
 def measure_units(step, state, params, state_bytes: int, kept_estimate: int,
