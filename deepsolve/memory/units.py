@@ -354,9 +354,10 @@ BACKWARD_BYTES_PER_NODE = 128
 its dependency count and, for ``torch.autograd.grad``, what to capture, in hash tables that
 grow with the graph. Measured at the first hook of the backward of long chains: 143–146
 bytes a node of the C library's in-use count over 10^3–4·10^3 small products; 65–100 bytes of
-resident memory a node over 10^4 steps of the Kuramoto–Sivashinsky step of the tests. A chain reversed whole
-(store-all) pays it per node on top of its links; a constant rather than a measurement
-because the tables grow in steps, so that a short calibration chain misjudges a long one."""
+resident memory a node over 10^4 steps of the Kuramoto–Sivashinsky step of the tests. A
+chain reversed whole (store-all) pays it per node on top of its links; a constant rather
+than a measurement because the tables grow in steps, so that a short calibration chain
+misjudges a long one."""
 
 
 def backward_bytes_per_node() -> int:
