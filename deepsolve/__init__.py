@@ -11,6 +11,9 @@ Public surface:
   :class:`Online`, :class:`TwoLevel`, :class:`RevolveTail`, :class:`Mixed` and
   :class:`Budget`: ``unroll(..., schedule=Revolve(20))``; each builds its schedule for any
   length, predicts its peak and time, and names itself;
+* :class:`Reversible` and :mod:`reversible` — reversible steppers (McCallum–Foster coupled
+  explicit Runge–Kutta, leapfrog, reversible Heun) whose states the reverse sweep rebuilds
+  by their inverse: memory flat in the step count, drift measured and bounded;
 * :func:`plan` — profile a step and pick the fastest schedule under a memory budget
   (:class:`Plan`, :class:`BudgetError`);
 * :func:`sequential` — a chain of layers with different costs and shapes, checkpointed
@@ -34,7 +37,7 @@ def _cli_start() -> bool:
 
 
 try:
-    from . import schedules
+    from . import reversible, schedules
     from .engine import CompiledPolicy
     from .fixed_point import (
         Auto,
@@ -53,6 +56,7 @@ try:
         Mixed,
         Online,
         Periodic,
+        Reversible,
         Revolve,
         RevolveTail,
         StoreAll,
@@ -73,7 +77,7 @@ __version__ = "0.1.0"
 __all__ = [
     "schedules", "unroll", "UnrollStats", "CompiledPolicy", "plan", "Plan", "BudgetError",
     "Strategy", "StoreAll", "Revolve", "Periodic", "Online", "TwoLevel", "RevolveTail", "Mixed",
-    "Budget",
+    "Budget", "Reversible", "reversible",
     "Problem", "Context",
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
     "Implicit", "Unrolled", "Phantom", "Auto",

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .engine import UnrollStats
+from .memory.strategies import Reversible
 from .unroll import unroll
 
 __all__ = ["Problem", "Context", "load_problem", "ProblemError", "TRAINER_DEFAULTS",
@@ -59,6 +60,8 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "steps": 100,            # unroll length for ctx.unroll
     "budget": "",            # memory budget for ctx.unroll ("" = none: snapshots or store_all)
     "snapshots": 0,          # revolve slots when no budget is given (0 = store_all)
+    "reversible": 0,         # > 0: rebuild states by the step's inverse, with this many
+                             # snapshots (deepsolve.Reversible; the step needs an inverse)
     "seed": 0,
     "device": "cpu",
     "dtype": "float32",
@@ -191,7 +194,9 @@ class Context:
         becomes ``step(x, i)`` (one closure per method, so the step profile is cached)."""
         n = self.horizon if n_steps is None else n_steps
         if "budget" not in kw and "snapshots" not in kw and "schedule" not in kw:
-            if self.budget:
+            if int(getattr(self.cfg, "reversible", 0) or 0) > 0:
+                kw["schedule"] = Reversible(snapshots=int(self.cfg.reversible))
+            elif self.budget:
                 kw["budget"] = self.budget
             elif self.cfg.snapshots:
                 kw["snapshots"] = int(self.cfg.snapshots)
@@ -251,11 +256,15 @@ class _FirstUnroll(Exception):
 
 def _bind_ctx(method, ctx):
     """``problem.step(ctx, x, i)`` as ``step(x, i)`` (the model's parameters are closed-over
-    leaves, found by the unroll)."""
+    leaves, found by the unroll); a problem method ``step_inverse(ctx, x, i)`` (``x_i`` from
+    ``x_{i+1}``) becomes the bound step's ``inverse``, which makes it reversible."""
 
     def step(x, i):
         return method(ctx, x, i)
 
+    inverse = getattr(method.__self__, f"{method.__name__}_inverse", None)
+    if callable(inverse):
+        step.inverse = lambda x, i: inverse(ctx, x, i)  # type: ignore[attr-defined]
     return step
 
 

@@ -24,7 +24,7 @@ from .memory.offload import DiskStorage
 from .memory.planner import online_snapshots
 from .memory.planner import plan as make_plan
 from .memory.profiling import profile_step
-from .memory.strategies import Budget, Online, StoreAll, Strategy, as_strategy
+from .memory.strategies import Budget, Online, Reversible, StoreAll, Strategy, as_strategy
 from .schedules import Schedule, online, revolve, store_all
 
 __all__ = ["unroll", "UnrollStats", "DEFAULT_MAX_STEPS"]
@@ -82,7 +82,9 @@ def unroll(
         schedule: a checkpoint strategy — :class:`~deepsolve.Revolve`,
             :class:`~deepsolve.StoreAll`, :class:`~deepsolve.Periodic`,
             :class:`~deepsolve.RevolveTail`, :class:`~deepsolve.Mixed`,
-            :class:`~deepsolve.TwoLevel`, :class:`~deepsolve.Online` (with ``until``) or
+            :class:`~deepsolve.TwoLevel`, :class:`~deepsolve.Online` (with ``until``),
+            :class:`~deepsolve.Reversible` (a step with ``step.inverse(state, i)``: states
+            rebuilt by the inverse, memory flat in ``n``; docs/reversible.md) or
             :class:`~deepsolve.Budget` — or by name: ``"revolve"`` (with ``snapshots``),
             ``"store_all"`` (plain backpropagation
             through the recorded graph), ``"periodic"`` (a snapshot every ``ceil(sqrt(n))``
@@ -91,7 +93,8 @@ def unroll(
             ``budget``: ``"store_all"``.
         budget: the memory the unroll may add at its peak — bytes, ``"512MiB"``, ``"2GB"``,
             or ``"80%"`` of the device's free memory. The step is profiled once (cached) and
-            the planner picks the fastest schedule that fits (:func:`deepsolve.plan`);
+            the planner picks the fastest schedule that fits (:func:`deepsolve.plan`; for a
+            step with an inverse it weighs :class:`~deepsolve.Reversible` too);
             :class:`deepsolve.BudgetError` says the minimum when nothing fits.
         offload: with ``budget``, let the planner also weigh a cost-aware two-level schedule
             that keeps some snapshots in pinned host memory (``"host"``, for CUDA) or in
@@ -166,13 +169,14 @@ def unroll(
         raise ValueError(f"unroll: n_steps must be an integer >= 0, got {n_steps!r}")
     how = as_strategy(schedule, snapshots, budget, offload, spill_dir)
     storage = None
+    chosen: Any = how
     if truncate is not None and n_steps > 0 and torch.is_grad_enabled():
-        window, storage, policy = _windows(step, state, n_steps, truncate, how, params,
-                                           policy, snapshot_dtype, stats)
+        window, storage, policy, chosen = _windows(step, state, n_steps, truncate, how,
+                                                   params, policy, snapshot_dtype, stats)
         return execute(step, state, window, params=params, has_output=has_output,
                        preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
                        snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook,
-                       truncate=truncate, n_steps=n_steps)
+                       truncate=truncate, n_steps=n_steps, **_reversal(chosen, step))
     sched: Schedule
     if isinstance(how, Budget):
         if n_steps == 0 or not torch.is_grad_enabled():
@@ -183,6 +187,7 @@ def unroll(
                           snapshot_dtype=snapshot_dtype, group=how.group)
             sched = p.schedule
             policy = p.policy
+            chosen = p.strategy
             storage = _second_level(p, how)
             if stats is not None:
                 stats.extra["plan"] = p
@@ -194,7 +199,26 @@ def unroll(
             _check_store_all_fits(step, state, n_steps, params)
     return execute(step, state, sched, params=params, has_output=has_output,
                    preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
-                   snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook)
+                   snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook,
+                   **_reversal(chosen, step, sched))
+
+
+def _reversal(how: Any, step: Any, sched: Schedule | None = None) -> dict[str, Any]:
+    """The executor's arguments for a reversible unroll (the step's inverse, the drift
+    tolerance and what to do beyond it) when the strategy or schedule rebuilds states; a
+    one-line error when the step has no inverse."""
+    kind = how.kind if isinstance(how, (Strategy, Schedule)) else None
+    if kind != "reversible" and (sched is None or sched.kind != "reversible"):
+        return {}
+    inverse = getattr(step, "inverse", None)
+    if not callable(inverse):
+        raise TypeError("unroll: the reversible schedule needs a step with an inverse, "
+                        "step.inverse(state, i) -> the state before; build the step with "
+                        "deepsolve.reversible (coupled, explicit, leapfrog, reversible_heun, "
+                        "invertible) or use another schedule")
+    if isinstance(how, Reversible):
+        return dict(inverse=inverse, tolerance=how.tolerance, on_drift=how.on_drift)
+    return dict(inverse=inverse)
 
 
 def _check_step(step: Any) -> None:
@@ -225,8 +249,8 @@ def _second_level(p, how: Budget) -> dict | None:
 
 
 def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dtype, stats):
-    """``(window schedule builder, storage, policy)`` of ``truncate=K``: each window of ``K``
-    steps is reversed on its own, so a strategy builds a ``K``-step schedule, and a budget
+    """``(window schedule builder, storage, policy, strategy)`` of ``truncate=K``: each window
+    of ``K`` steps is reversed on its own, so a strategy builds a ``K``-step schedule, and a budget
     plans one window — beside it the next window's start state and the stacked outputs of
     all ``n`` steps (the window plan counts ``K`` of them)."""
     if isinstance(how, Schedule):
@@ -235,7 +259,7 @@ def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dt
                          "schedule object built for n_steps")
     m = min(K, n_steps)
     if not isinstance(how, Budget):
-        return how.build, None, policy
+        return how.build, None, policy, how
     leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
     nbytes = agree_min(parse_budget(how.budget, leaves[0].device if leaves else None),
                        how.group)
@@ -263,7 +287,7 @@ def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dt
         except ValueError:
             return revolve(length, max(1, min(p.snapshots or 1, length)))
 
-    return window, storage, p.policy
+    return window, storage, p.policy, strategy
 
 
 _CHECK_STORE_ALL_FROM = 10_000  # steps; the profile costs a few step evaluations (cached)

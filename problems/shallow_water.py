@@ -107,6 +107,10 @@ class ShallowWaterBathymetry(deepsolve.Problem):
         "drag": 1.0e-6,         # linear bottom drag [1/s]
         "viscosity": 0.0,       # [m^2/s]
         "exchange": "step",     # halos: 4 rows once per RK4 step ("step") or 1 per stage
+        "integrator": "rk4",    # "rk4", or "reversible": RK4 made reversible by the
+                                # McCallum-Foster coupling (state (x, z), lam below), whose
+                                # inverse lets the unroll rebuild states (--set reversible=8)
+        "lam": 0.999,           # coupling parameter of the reversible integrator
         # truth and data
         "modes": 2,             # |m|, |n| <= modes: 12 wavevectors, 24 coefficients
         "depth_seed": 7,
@@ -158,9 +162,15 @@ class ShallowWaterBathymetry(deepsolve.Problem):
             z = torch.zeros_like(eta)
             bumps.append(torch.stack([eta, z, z]))
         x0 = ctx.shard(torch.stack(bumps))          # (members on this rank, 3, rows, nx)
+        integrator = str(cfg.integrator)
+        if integrator not in ("rk4", "reversible"):
+            raise ValueError(f"integrator must be 'rk4' or 'reversible', got {integrator!r}")
         ctx.model = model
         ctx.data = {"grid": grid, "slab": slab, "basis": basis, "x0": x0, "h0": h0,
-                    "true_coef": true.to(device), "steps": int(cfg.steps)}
+                    "true_coef": true.to(device), "steps": int(cfg.steps),
+                    "reversible": integrator == "reversible"}
+        if integrator == "reversible":  # the carried state is the coupled pair (x, z)
+            ctx.data["x0"] = x0 = (x0, x0.clone())
         steps, every = int(cfg.steps), int(cfg.obs_every)
         if not 1 <= every <= steps:
             raise ValueError(f"obs_every must be in 1..steps={steps}, got {every}")
@@ -181,13 +191,33 @@ class ShallowWaterBathymetry(deepsolve.Problem):
         return ctx.model(ctx.data["basis"], ctx.data["h0"])
 
     def _advance(self, ctx, x, depth):
-        """One RK4 step and what the altimeter sees of it: ``(x_next, eta_next[..., ::s])``."""
+        """One RK4 step and what the altimeter sees of it: ``(x_next, eta_next[..., ::s])``;
+        with the reversible integrator ``x`` is the coupled pair and the altimeter sees its
+        solution half."""
         d = ctx.data
+        if d["reversible"]:
+            x = self._coupled(ctx, depth).forward(x, 0)
+            return x, x[0][:, 0, :, ::int(ctx.cfg.obs_stride)]
         y = d["grid"].step(x, depth, d["slab"].halo)
         return y, y[:, 0, :, ::int(ctx.cfg.obs_stride)]
 
+    def _coupled(self, ctx, depth):
+        """RK4 of the grid's tendency at this depth, made reversible (the grid's time does
+        not enter, so every step is step 0 of its own stepper)."""
+        d = ctx.data
+        grid, pad = d["grid"], d["slab"].halo
+        return deepsolve.reversible.explicit(lambda t, s: grid.rhs(s, depth, pad), grid.dt,
+                                             method="rk4", lam=float(ctx.cfg.lam))
+
     def step(self, ctx, x, i):
         return self._advance(ctx, x, self.depth(ctx))
+
+    def step_inverse(self, ctx, x, i):
+        """``x_i`` from ``x_{i+1}`` (the reversible integrator only)."""
+        if not ctx.data["reversible"]:
+            raise ValueError("shallow_water: the RK4 integrator has no inverse; give --set "
+                             "integrator=reversible for a reversible unroll")
+        return self._coupled(ctx, self.depth(ctx)).inverse(x, 0)
 
     def residuals(self, ctx, iteration):
         d = ctx.data

@@ -10,6 +10,8 @@ One concept per module, each depending only on those listed before it:
 * :mod:`~deepsolve.engine.policies` — recomputation policies inside a kept step.
 * :mod:`~deepsolve.engine.storage` — snapshot slots (:class:`Slot`) and storage levels
   (:class:`Storage`, :class:`HostStorage`).
+* :mod:`~deepsolve.engine.reversal` — the inverse of a reversible step, checked on the first
+  step pair, and the drift of rebuilt states (:class:`Reversal`).
 * :mod:`~deepsolve.engine.interpreter` — the one action interpreter
   (:class:`Interpreter`) that :func:`deepsolve.unroll` and :func:`deepsolve.sequential` drive.
 * :mod:`~deepsolve.engine.executor` — :func:`execute`, the unroll's autograd Function.
@@ -43,6 +45,7 @@ from .policies import (
     save_fft,
 )
 from .replay import Autocast, Replay, autocast_state, cuda_devices, get_rng, set_rng
+from .reversal import ON_DRIFT, ReconstructionError, Reversal, default_tolerance, relative_error
 from .state import Step, codec, flatten_state, is_diff, spec_str, unflatten
 from .storage import (
     POOL_BELOW,
@@ -55,8 +58,10 @@ from .storage import (
 )
 
 __all__ = [
-    "Autocast", "CompiledPolicy", "EXPENSIVE_OPS", "GradSum", "HostStorage", "Interpreter",
-    "Misfit", "POLICIES", "POOL_BELOW", "Recorder", "Replay", "SAVE_FFT_OPS", "Slot",
+    "Autocast", "CompiledPolicy", "ON_DRIFT", "EXPENSIVE_OPS", "GradSum", "HostStorage",
+    "Interpreter",
+    "Misfit", "POLICIES", "POOL_BELOW", "ReconstructionError", "Recorder", "Replay", "Reversal",
+    "SAVE_FFT_OPS", "Slot", "default_tolerance", "relative_error",
     "SnapshotPool", "Step", "Storage",
     "SweepStats", "Tape", "UnrollRun", "UnrollStats", "autocast_state", "check_snapshot_dtype",
     "check_truncate",

@@ -35,6 +35,7 @@ as constants are checked to stay constants; each misfit is a one-line error.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,13 +44,14 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch.utils import _pytree as pytree
 
-from ..schedules import Online, Schedule, shifted
+from ..schedules import Online, Schedule, revolve, shifted
 from ..schedules.actions import Free, Reverse, Store
 from ..schedules.check import ScheduleError
 from .graph import constant_leaves, discover, pull_back, sequence_marker, unseen_leaf
 from .interpreter import GradSum, Interpreter, Misfit, SweepStats
 from .policies import CompiledPolicy, Recorder, policy_context, policy_name
 from .replay import Replay
+from .reversal import ReconstructionError, Reversal, relative_error
 from .state import Step, flatten_state, is_diff, unflatten
 from .storage import check_snapshot_dtype
 
@@ -78,7 +80,12 @@ class UnrollStats(SweepStats):
             (the recomputation policy of kept tapes, when one is set), ``"snapshot_dtype"``
             (when snapshots are stored in a smaller dtype), ``"plan"`` (with ``budget=``),
             ``"online_snapshots"`` (with ``until=`` and ``budget=``), ``"truncate"``
-            (the window length of a truncated unroll).
+            (the window length of a truncated unroll), ``"recomputed_windows"`` (windows of
+            a reversible unroll recomputed because their rebuilt states drifted).
+        inverses: states rebuilt by the step's inverse (a reversible unroll).
+        reconstruction_error: the largest relative drift (:func:`~deepsolve.engine.reversal.
+            relative_error`) of a state rebuilt by the inverse against its stored snapshot,
+            over the snapshots of a reversible unroll; ``None`` when nothing was rebuilt.
         adjoint_norms: give ``True`` to have it filled: after the backward, a float64 CPU
             tensor of length ``n_steps + 1`` whose entry ``i`` is the 2-norm over all state
             leaves of the adjoint ``dL/dx_i`` as the reverse sweep computed it (before an
@@ -91,6 +98,8 @@ class UnrollStats(SweepStats):
     snapshots_peak: int = 0
     snapshot_bytes_peak: int = 0
     state_bytes: int = 0
+    inverses: int = 0
+    reconstruction_error: float | None = None
     adjoint_norms: Any = False
 
     def __repr__(self) -> str:
@@ -115,6 +124,11 @@ class UnrollStats(SweepStats):
                  f"{self.snapshot_bytes_peak} bytes at most in device memory; one state "
                  f"{self.state_bytes} bytes",
                  f"  time: forward {self.forward_time:.4g} s, backward {self.backward_time:.4g} s"]
+        if self.inverses or self.reconstruction_error is not None:
+            err = self.reconstruction_error
+            lines.append(f"  reversible: {self.inverses} states rebuilt by the inverse, "
+                         f"largest relative drift at a snapshot "
+                         f"{'-' if err is None else format(err, '.3g')}")
         if isinstance(self.adjoint_norms, torch.Tensor):
             a = self.adjoint_norms
             lines.append(f"  adjoint norms: {a.numel()} values, |dL/dx_n| {float(a[-1]):.4g}, "
@@ -148,7 +162,7 @@ class UnrollRun(Interpreter):
     def __init__(self, step: Step, schedule: Schedule, n_steps: int, n_state: int,
                  replay: Replay, stats: UnrollStats | None, storage: dict | None = None,
                  recorder: Recorder | None = None, snapshot_dtype: torch.dtype | None = None,
-                 x0: Sequence[torch.Tensor] = ()):
+                 x0: Sequence[torch.Tensor] = (), reversal: Reversal | None = None):
         # x0: the caller's initial leaves (which require grad decides the constants)
         state_bytes = stats.state_bytes if stats is not None else 0
         # snapshots (x_0 excepted) of floating leaves stored as snapshot_dtype: inexact
@@ -190,6 +204,15 @@ class UnrollRun(Interpreter):
         self.window: Callable[[int], Schedule] | None = None
         self.K = 0
         self.last = 0
+        # a reversible run: the inverse, the drift seen, the window being rebuilt (its top
+        # x_top; with on_drift="recompute" the adjoint there and the sums outside it)
+        self.rev = reversal
+        self.inverses = 0
+        self.drift: float | None = None
+        self.win_top = -1
+        self.win_grad: list | None = None
+        self.win_outer: GradSum | None = None
+        self.redone = 0
 
     def _new_snapshot_peak(self) -> None:
         if self.stats is not None:
@@ -300,6 +323,8 @@ class UnrollRun(Interpreter):
         self.marker = sequence_marker()  # graph nodes older than this are the caller's
         self.frontier = 0
         outs: list[torch.Tensor] = []
+        if self.rev is not None:
+            self.rev.check_pair([t.detach() for t in x0], self.replay)
         cur, rev = self._to_first_reverse([t.detach() for t in x0], outs)
         return self._forward_end(cur, rev, outs, t0)
 
@@ -316,6 +341,8 @@ class UnrollRun(Interpreter):
         self.K, self.window = K, window
         self.last = last = ((self.n - 1) // K) * K
         self.x0 = [t.detach() for t in x0]
+        if self.rev is not None:
+            self.rev.check_pair(self.x0, self.replay)
         self.rng0 = self.replay.capture()
         outs: list[torch.Tensor] = []
         cur = self.x0
@@ -460,6 +487,8 @@ class UnrollRun(Interpreter):
         self.slots.clear()
         self.n_slots = 0
         self.snap_bytes = 0
+        self.retained = None  # a window's rebuilding starts afresh
+        self.win_top = -1
 
     def _watch(self, i: int) -> None:
         """The adjoint ``dL/dx_i`` just computed: its norm, and the user's hook."""
@@ -537,6 +566,86 @@ class UnrollRun(Interpreter):
                     add(k, g)
         if self.watch and (i == 0 or (self.window is not None and i % self.K == 0)):
             self._watch(i)  # x_0, or a window's start (a leaf of the detaching loop)
+        if self.rev is not None:
+            self.retained = x_in  # x_i, for an Invert of step i - 1
+
+    # -- reversible steps ------------------------------------------------------------------
+
+    def _invert(self, nxt: list[torch.Tensor], i: int) -> None:
+        rev = self.rev
+        if rev is None:
+            raise Misfit("the schedule rebuilds states by the step's inverse, but the step has "
+                         "none; give the step an inverse (step.inverse = fn, or a stepper from "
+                         "deepsolve.reversible)")
+        if self.win_top < 0:  # the first step of a window rebuilt from its top x_{i+1}
+            self.win_top = i + 1
+            if rev.on_drift == "recompute":  # its gradient terms held apart until checked
+                self.win_grad = self.grad
+                self.win_outer = self.pgrads
+                self.pgrads = GradSum(len(self.params))
+        with torch.no_grad():
+            x = rev.leaves(nxt, i)
+        del nxt
+        self.inverses += 1
+        tape = self._record(x, i)
+        self.recorded += 1
+        self._pull(tape, i)
+
+    def _rebuilt(self, rebuilt: list, exact: list, a: int) -> None:
+        """The window ``[a, top)`` rebuilt down to ``x_a``: its drift against the snapshot;
+        beyond the tolerance, raise or recompute the window from the snapshot."""
+        rev = self.rev
+        top = self.win_top
+        if rev is None or top < 0:
+            return
+        self.win_top = -1
+        err = relative_error(rebuilt, exact)
+        if self.drift is None or not err <= self.drift:
+            self.drift = err
+        outer = self.win_outer
+        self.win_outer = None
+        if err <= rev.tolerance:
+            if outer is not None:  # the window's parameter gradients join the sum
+                for k, g in enumerate(self.pgrads.grads):
+                    if g is not None:
+                        outer.add(k, g)
+                self.pgrads = outer
+            return
+        where = (f"rebuilding steps {a}..{top - 1} by the step's inverse drifted by {err:.3g} "
+                 f"(relative, at x_{a}), above the tolerance {rev.tolerance:.3g}")
+        if outer is None:
+            raise ReconstructionError(
+                f"unroll: {where}; store snapshots more often (Reversible(every=k) with a "
+                "smaller k), raise tolerance=, or give on_drift='recompute'")
+        self._recompute(exact, a, top, outer)
+
+    def _recompute(self, exact: list, a: int, top: int, outer: GradSum) -> None:
+        """Reverse steps ``a .. top - 1`` again from the exact ``x_a`` by revolve (at most
+        :data:`RECOMPUTE_SNAPSHOTS` slots beside the schedule's), the adjoint and the
+        parameter gradients taken back to what they were at ``x_top``."""
+        self.pgrads = outer
+        assert self.win_grad is not None  # set when the window opened
+        self.grad, self.win_grad = self.win_grad, None
+        self.retained = None
+        m = top - a
+        sub = shifted(revolve(m, min(RECOMPUTE_SNAPSHOTS, m)), a,
+                      sum(self.schedule.slots.values()))
+        outer_state = (self.actions, self.schedule, self.pos)
+        self.actions, self.schedule = iter(sub), sub
+        self.at, self.adj, self.pos = a, top, 0
+        rev, self.rev = self.rev, None  # plain reverse steps: nothing retained or rebuilt
+        try:
+            self._run(list(exact), None, until_reverse=False)
+        finally:
+            self.rev = rev
+            self.actions, self.schedule, self.pos = outer_state
+        self._check_reversed(a)
+        if not self.redone and rev is not None:
+            warnings.warn(f"unroll: rebuilding steps {a}..{top - 1} by the step's inverse "
+                          f"drifted beyond the tolerance {rev.tolerance:.3g}; recomputed that "
+                          "window from its snapshot (UnrollStats.extra['recomputed_windows'] "
+                          "counts them)", RuntimeWarning, stacklevel=2)
+        self.redone += 1
 
     def _watch_next(self, y, roots: list, seeds: list, i: int) -> list:
         """The adjoint of ``x_{i+1}`` as plain autograd holds it — the adjoint pulled back so
@@ -569,6 +678,16 @@ class UnrollRun(Interpreter):
         s.recorded = self.recorded
         s.snapshots_peak = self.peak_slots
         s.snapshot_bytes_peak = self.peak_snap_bytes
+        if self.rev is not None:
+            s.inverses = self.inverses
+            s.reconstruction_error = self.drift
+            if self.redone:
+                s.extra["recomputed_windows"] = self.redone
+
+
+#: the revolve slots that recompute a drifting window of a reversible unroll (its start
+#: included), beside the reversible schedule's own
+RECOMPUTE_SNAPSHOTS = 8
 
 
 
@@ -631,6 +750,9 @@ def execute(
     adjoint_hook: Callable[[int, Any], Any] | None = None,
     truncate: int | None = None,
     n_steps: int | None = None,
+    inverse: Callable[[Any, int], Any] | None = None,
+    tolerance: float | None = None,
+    on_drift: str = "raise",
 ) -> Any:
     """Run ``schedule.n_steps`` steps of ``step`` from ``state`` following ``schedule``.
 
@@ -656,6 +778,12 @@ def execute(
     backpropagation, no adjoint across ``x_K, x_2K, ...``; ``schedule`` is then a function
     ``length -> Schedule`` building each window's schedule, and ``n_steps`` is given. Both
     keep every step on the interpreter (store-all included) so the adjoints are explicit.
+
+    ``inverse(state, i) -> state`` (``x_i`` from ``x_{i+1}``) makes the step reversible for
+    schedules with ``Invert`` actions (:func:`deepsolve.schedules.reversible`): it is checked
+    on the first step pair, rebuilt states are compared with the stored snapshots, and a
+    drift beyond ``tolerance`` (:mod:`~deepsolve.engine.reversal`) raises or, with
+    ``on_drift="recompute"``, has the window recomputed.
     """
     context_fn = policy_context(policy)
     recorder = None if context_fn is None else Recorder(
@@ -720,8 +848,13 @@ def execute(
         return _plain_loop(fn, x0, n_steps, spec, grad_on, stats, until, max_steps,
                            recorder if grad_on else None)
 
+    reversal = None
+    if inverse is not None:
+        if until is not None:
+            raise ValueError("unroll: a reversible unroll needs a known n_steps, not until=")
+        reversal = Reversal(inverse, fn, tolerance, on_drift)
     ex = UnrollRun(fn, sched, n_steps, len(x0), Replay.of(x0 + explicit, preserve_rng), stats,
-                   storage, recorder, snapshot_dtype, x0)
+                   storage, recorder, snapshot_dtype, x0, reversal)
     if watch:
         ex.watch = True
         ex.hook = adjoint_hook

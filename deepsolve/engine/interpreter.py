@@ -5,16 +5,19 @@ layers) ``x_{i+1} = f_i(x_i)``: ``Advance(a, b)`` (run steps ``a..b-1`` unrecord
 ``Record(a, b)`` (run them recorded and keep their tapes), ``Store(slot, i)`` /
 ``Restore(slot, i)`` / ``Free(slot, i)`` (snapshots of ``x_i``, on a storage level) and
 ``Reverse(i)`` (pull the adjoint through step ``i``:
-``lambda_i = J_i(x_i)^T lambda_{i+1}``, accumulating the parameter gradients).
+``lambda_i = J_i(x_i)^T lambda_{i+1}``, accumulating the parameter gradients) and
+``Invert(i)`` (the same for a reversible step, its input ``x_i`` rebuilt from ``x_{i+1}`` by
+the step's inverse).
 
 :class:`Interpreter` is the one interpreter of the library: :func:`deepsolve.unroll`'s
 executor (:class:`~deepsolve.engine.executor.UnrollRun`, states of fixed structure with
 per-step outputs) and :func:`deepsolve.sequential`'s chain (layers whose states change shape)
 both drive it and supply only what differs, their steps: ``_advance`` (unrecorded steps),
-``_keep`` (a kept recording) and ``_reverse`` (record if needed and pull the adjoint through
-one step). Snapshots (:class:`~deepsolve.engine.storage.Slot`), their storage levels, the
-random-number replay (:class:`~deepsolve.engine.replay.Replay`), the checks and the reverse
-sweep's frame live here, once.
+``_keep`` (a kept recording), ``_reverse`` (record if needed and pull the adjoint through
+one step) and, for reversible steps, ``_invert`` and ``_rebuilt`` (the drift of a rebuilt
+state against its snapshot). Snapshots (:class:`~deepsolve.engine.storage.Slot`), their
+storage levels, the random-number replay (:class:`~deepsolve.engine.replay.Replay`), the
+checks and the reverse sweep's frame live here, once.
 
 Trust: the interpreter believes no schedule. Each action is checked against its state
 before it runs, as :func:`deepsolve.schedules.check` does on symbolic states: the index
@@ -23,8 +26,11 @@ before it runs, as :func:`deepsolve.schedules.check` does on symbolic states: th
 ``at == a`` and ``0 <= a < b <= n`` (``b <= adj`` for ``Record``: steps ``>= adj`` are
 reversed already), ``Store(s, i)`` needs ``at == i >= 0`` and an empty slot,
 ``Restore``/``Free(s, i)`` a slot holding ``x_i``, ``Reverse(i)`` needs ``i == adj - 1 >= 0``
-and ``at == i`` or a kept tape of step ``i``; at the end ``adj == 0``, so every step was
-reversed exactly once. Each check is one or two integer comparisons; a misfit raises a
+and ``at == i`` or a kept tape of step ``i``, ``Invert(i)`` needs ``i == adj - 1 >= 0`` and
+``x_{i+1}``: ``at == i + 1`` or the input ``ret == i + 1`` that the reverse step just before
+retained (a reverse step retains its input only while the run has an inverse, until the
+next action that moves the state); at the end ``adj == 0``, so every step was reversed
+exactly once. Each check is one or two integer comparisons; a misfit raises a
 one-line :class:`~deepsolve.schedules.check.ScheduleError` naming the action and its
 position in the stream.
 """
@@ -38,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..schedules.actions import Advance, Free, Record, Restore, Reverse, Store
+from ..schedules.actions import Advance, Free, Invert, Record, Restore, Reverse, Store
 from ..schedules.check import ScheduleError
 from .replay import Replay
 from .storage import POOL_BELOW, HostStorage, Slot, SnapshotPool
@@ -146,6 +152,8 @@ class Interpreter:
             self.pool = SnapshotPool(stored)
         self.done = False
         self.backward_time = 0.0
+        # a reversible run: the input x_ret of the last reverse step, kept for an Invert
+        self.retained: list | None = None
 
     # -- what subclasses supply --------------------------------------------------------------
 
@@ -160,6 +168,15 @@ class Interpreter:
 
     def _pull(self, tape: Any, i: int) -> None:  # pragma: no cover
         raise NotImplementedError
+
+    def _invert(self, nxt: list, i: int) -> None:
+        """Rebuild ``x_i`` from ``x_{i+1}`` (``nxt``) by the step's inverse, record step ``i``
+        from it, pull the adjoint through it and retain ``x_i`` in :attr:`retained`."""
+        raise Misfit(f"{self.who} has no inverse {self.unit}s to run an Invert")
+
+    def _rebuilt(self, rebuilt: list, exact: list, i: int) -> None:
+        """``x_i`` rebuilt by inverse steps, beside its stored snapshot ``exact`` (Restore
+        after Invert): where a reversible run measures and acts on the drift."""
 
     def _new_snapshot_peak(self) -> None:
         """Called when the level-0 snapshot bytes reach a new peak (stats hooks)."""
@@ -253,6 +270,7 @@ class Interpreter:
         self.slots.clear()
         self.tapes.clear()
         self.pending = None
+        self.retained = None
         if self.pool is not None:
             self.pool.close()
         for backend in self.storage.values():
@@ -265,6 +283,8 @@ class Interpreter:
         checking each against the state (see the module docstring)."""
         n = self.n
         at = self.at
+        # the index of the retained input (self.retained), -1: none; set after a reverse step
+        ret = self.adj if self.retained is not None else -1
         k = self.pos
         a = None
         unit = self.unit
@@ -278,6 +298,8 @@ class Interpreter:
                         raise Misfit(self._range_misfit(lo, hi, at, n))
                     cur = self._advance(cur, lo, hi, outs)
                     at = hi
+                    if ret >= 0:
+                        ret, self.retained = -1, None
                 elif t is Reverse:
                     i = a.index
                     if i != self.adj - 1 or i < 0:
@@ -294,6 +316,26 @@ class Interpreter:
                     self.adj = i
                     cur = None
                     at = -1
+                    ret = i if self.retained is not None else -1
+                elif t is Invert:
+                    i = a.index
+                    if i != self.adj - 1 or i < 0:
+                        raise Misfit(f"the adjoint is at x_{self.adj}, so the next reverse "
+                                     f"{unit} is {self.adj - 1}" if self.adj else
+                                     f"every {unit} is already reversed")
+                    if at == i + 1:
+                        nxt = cur
+                    elif ret == i + 1:
+                        nxt = self.retained
+                    else:
+                        raise Misfit(f"inverting {unit} {i} needs x_{i + 1} (the current state "
+                                     f"or the input of the reverse {unit} just before) but the "
+                                     f"executor holds {holding(at)}")
+                    cur = None
+                    self._invert(nxt, i)
+                    self.adj = i
+                    at = -1
+                    ret = i
                 elif t is Store:
                     if a.index != at or at < 0:
                         raise Misfit(f"stores x_{a.index} but the executor holds {holding(at)}")
@@ -301,6 +343,10 @@ class Interpreter:
                 elif t is Restore:
                     cur = self._restore(a)
                     at = a.index
+                    if ret >= 0:
+                        if ret == at and self.retained is not None:
+                            self._rebuilt(self.retained, cur, at)
+                        ret, self.retained = -1, None
                 elif t is Free:
                     self._free(a)
                 elif t is Record:
@@ -312,9 +358,11 @@ class Interpreter:
                             raise Misfit(f"{unit} {i} is already recorded")
                         cur = self._keep(cur, i, outs)
                     at = hi
+                    if ret >= 0:
+                        ret, self.retained = -1, None
                 else:
                     raise Misfit("is not a schedule action (Advance, Record, Store, Restore, "
-                                 "Free, Reverse)")
+                                 "Free, Reverse, Invert)")
                 k += 1
         except Misfit as e:
             raise ScheduleError(

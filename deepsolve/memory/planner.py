@@ -13,6 +13,7 @@ recorded and reversed at once::
     store_all        (n - 1) C + M + S + 2 P + 2 n O
     revolve(s)       (s - 1) S' + W + 4 S + 2 P + 2 n O
     two_level(s, m)  (s - 1) S' + W + 4 S + 2 P + 2 n O    (+ m states in host RAM or on disk)
+    reversible(k)    (ceil((n - 1) / k) - 1) S' + W + 5 S + 2 P + 2 n O    (a step with an inverse)
     mixed(u)         u S + W + 4 S + 2 P + 2 n O           (u units hold states or kept tapes)
     revolve_tail(s, m)  max((s - 1) S' + m K + (M - K) + 3 S,  revolve(s)'s)  + 2 P + 2 n O
 
@@ -74,7 +75,16 @@ from .budget import BudgetError, device_capacity, format_bytes, parse_budget
 from .library import affordable, load_policy_machinery, policy_machinery
 from .offload import DiskStorage
 from .profiling import StepProfile, profile_step
-from .strategies import Mixed, Revolve, RevolveTail, StoreAll, Strategy, TwoLevel, strategy_for
+from .strategies import (
+    Mixed,
+    Reversible,
+    Revolve,
+    RevolveTail,
+    StoreAll,
+    Strategy,
+    TwoLevel,
+    strategy_for,
+)
 from .units import probe_peak
 
 __all__ = ["Plan", "Alternative", "SlowLevel", "plan", "choose", "predicted_peak", "minimum_budget",
@@ -97,8 +107,8 @@ class Plan:
     """The planner's choice and its predictions.
 
     Attributes:
-        kind: ``"store_all"``, ``"revolve"``, ``"revolve_tail"``, ``"mixed"`` or
-            ``"two_level"``.
+        kind: ``"store_all"``, ``"revolve"``, ``"revolve_tail"``, ``"mixed"``,
+            ``"two_level"`` or ``"reversible"``.
         schedule: the schedule object to execute.
         n_steps: chain length.
         snapshots: fast-memory slots (x_0 included), or ``None`` for store-all.
@@ -382,22 +392,21 @@ def weighed_policies(profile: StepProfile,
 
 def choose(profile: StepProfile, n_steps: int, budget: int,
            slow: SlowLevel | None = None,
-           policies: Sequence[StepProfile] | None = None, library: int = 0) -> Plan:
+           policies: Sequence[StepProfile] | None = None, library: int = 0,
+           reversible: bool = False) -> Plan:
     """See :func:`_choose`; the chosen plan carries its peak's terms (``Plan.terms``).
+    ``reversible``: the step has an inverse, so :class:`Reversible` is weighed too.
 
     ``library``: one-time bytes this call keeps resident beside the schedule
     (:mod:`.library`); the schedule fits ``budget - library``, and the plan's terms and
     predicted peak include it."""
-    if library:
-        if library >= budget:
-            raise BudgetError(
-                f"the budget {format_bytes(budget)} cannot hold the one-time library memory "
-                f"of the recomputation policies asked for ({format_bytes(library)}); raise "
-                "the budget or give policy='none'")
-        best = _choose(profile, n_steps, budget - library, slow, policies)
-        best.budget = budget
-    else:
-        best = _choose(profile, n_steps, budget, slow, policies)
+    if library and library >= budget:
+        raise BudgetError(
+            f"the budget {format_bytes(budget)} cannot hold the one-time library memory "
+            f"of the recomputation policies asked for ({format_bytes(library)}); raise "
+            "the budget or give policy='none'")
+    best = _choose(profile, n_steps, budget - library, slow, policies, reversible)
+    best.budget = budget
     assert best.strategy is not None  # every plan _choose makes has one
     q = next((o for o in policies or () if o.policy == best.policy), profile)
     best.terms = best.strategy.peak_terms(
@@ -413,7 +422,8 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
 
 def _choose(profile: StepProfile, n_steps: int, budget: int,
             slow: SlowLevel | None = None,
-            policies: Sequence[StepProfile] | None = None) -> Plan:
+            policies: Sequence[StepProfile] | None = None,
+            reversible: bool = False) -> Plan:
     """The fastest schedule whose predicted peak fits ``budget`` (bytes); with ``slow``, a
     cost-aware two-level schedule is weighed too.
 
@@ -423,8 +433,12 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
     the plain tape only. When ``policies`` is given and lacks a ``"none"`` profile, kept tapes
     always use a policy (the caller fixed it). Plain alternatives are compared by their exact
     recomputation counts; a policy or a second level is taken only when predicted at least
-    10 % faster than the best plan without it (measured times are noisy)."""
+    10 % faster than the best plan without it (measured times are noisy). With
+    ``reversible`` (the step has an inverse) the reversible schedule with the most snapshots
+    that fit (the shortest windows of drift) is weighed beside them and taken when predicted
+    10 % faster (its inverse time is measured, but noisy too)."""
     p, n = profile, n_steps
+    rev_plan = _reversible_alternative(p, n, budget) if reversible else None
     keep = [p] if policies is None else list(policies)
     plain_ok = any(q.policy == "none" for q in keep)
     fixed_policy = not plain_ok
@@ -455,6 +469,8 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
             adv = rev.advances(n)
             alts.append(Alternative(rev.describe(), rev.predicted_peak(p, n),
                                     _time(p, n, adv), True, f"{adv} recomputed steps"))
+        if rev_plan is not None:
+            alts.append(rev_plan[1])
         return plan
     if s_rev < 1 or budget < minimum_budget(p, n):
         raise _below_minimum(p, n, budget)
@@ -534,6 +550,13 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
         if found is not None and found[0].predicted_time < bar:
             best = found[0]
             bar = best.predicted_time if fixed_policy else _MARGIN * best.predicted_time
+    if rev_plan is not None:
+        strategy, row = rev_plan
+        alts.append(row)
+        if row.fits and row.time < _MARGIN * best.predicted_time:
+            return make(strategy, row.peak, row.time, (2 * n - 1) / n,
+                        "the step is reversible: its inverse rebuilds the states, cheaper than "
+                        "revolve's recomputation in this budget")
     if slow is not None and slow.slots > 0 and adv > n - 1 and p.t_advance > 0:
         m = min(slow.slots, n, _MAX_SLOW_SLOTS)
         unit = p.t_advance  # costs in units of one unrecorded step
@@ -552,6 +575,53 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
                         f"a second level on {slow.kind} saves recomputation at its I/O cost")
         best.reason += f"; the {slow.kind} level does not pay for its I/O"
     return best
+
+
+def _reversible_alternative(p: StepProfile, n: int,
+                            budget: int) -> tuple[Reversible, Alternative] | None:
+    """The reversible schedule with the most snapshots that fit ``budget`` (``x_0`` alone
+    when none more does), and its row in the plan's table; ``None`` for a one-step chain."""
+    if n < 2:
+        return None
+    one = Reversible(every=n)  # x_0 alone: the least memory
+    room = budget - one.predicted_peak(p, n)
+    extra = int(room // p.slot_bytes) if p.slot_bytes > 0 and room > 0 else 0
+    every = max(1, -(-(n - 1) // (1 + extra))) if extra < n else 1
+    strategy = Reversible(every=every)
+    peak = strategy.predicted_peak(p, n)
+    t = strategy.predicted_time(p, n)
+    how = "measured" if p.t_inverse is not None else "assumed to cost one step"
+    return strategy, Alternative(strategy.describe(), peak, t, peak <= budget,
+                                 f"{n - 1} inverses ({how}); drift bounded to {every} steps")
+
+
+def _time_inverse(step, state, repeats: int = 3) -> float | None:
+    """The median time of the step's inverse on ``step(state, 0)`` [s], or ``None`` when
+    the step has no inverse or it fails here (the unroll's own check names the problem)."""
+    inverse = getattr(step, "inverse", None)
+    if not callable(inverse):
+        return None
+    try:
+        with torch.no_grad():
+            x1 = step(state, 0)
+            shape = pytree.tree_structure(state)
+            if pytree.tree_structure(x1) != shape and isinstance(x1, tuple) and len(x1) == 2:
+                x1 = x1[0]  # (next_state, output)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                inverse(x1, 0)
+                _sync(state)
+                times.append(time.perf_counter() - t0)
+    except Exception:
+        return None
+    return sorted(times)[len(times) // 2]
+
+
+def _sync(state) -> None:
+    leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    if leaves and leaves[0].device.type == "cuda":
+        torch.cuda.synchronize(leaves[0].device)
 
 
 def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=None,
@@ -632,7 +702,13 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
                 continue
             policies.append(dataclasses.replace(measured, snapshot_bytes=prof.snapshot_bytes))
     slow = agree_level(measure_level(offload, leaves, spill_dir), group) if offload else None
-    result = choose(prof, n_steps, nbytes, slow, policies, library=library)
+    t_inv = _time_inverse(step, state)
+    if t_inv is not None:
+        prof = dataclasses.replace(prof, t_inverse=t_inv)
+        if policies:
+            policies = [dataclasses.replace(q, t_inverse=t_inv) for q in policies]
+    result = choose(prof, n_steps, nbytes, slow, policies, library=library,
+                    reversible=t_inv is not None)
     result.alternatives.extend(failed)
     if skipped:
         result.reason += f"; {skipped}"

@@ -124,6 +124,9 @@ class StepProfile:
     library counts beside the tensors of one recorded step (its graph's nodes and records),
     ``backward_bytes`` what autograd's engine keeps per step of a chain it reverses whole
     (part of C); ``profile_peak`` is the most the profile held at once.
+
+    ``t_inverse``: the time of the step's inverse (a reversible step, ``step.inverse``),
+    set by the planner; ``None``: not measured (assumed ``t_advance``).
     """
 
     state_bytes: int
@@ -154,6 +157,7 @@ class StepProfile:
     tensors_reverse: int = 0
     step_objects: int = 0
     backward_bytes: int = 0
+    t_inverse: float | None = None
 
     @property
     def plain_reverse_bytes(self) -> int:

@@ -26,10 +26,13 @@ step of a plain autograd chain, P parameter gradients, O one step's outputs)::
     RevolveTail(s, m)       max((s - 1) S' + m K + (M - K) + 3 S, Revolve(s)'s) + 2 P + 2 n O
     Periodic(k)             as RevolveTail(ceil(n / k), k): the snapshots and one segment kept
     Online(s)               as Revolve(s), plus the state the online forward holds beside x_i
+    Reversible(k)           (ceil((n - 1) / k) - 1) S' + W + 5 S + 2 P + 2 n O
+                            (on_drift="recompute": + 7 S' + P for recomputing a window)
 
 Time model: ``(advances * t_advance + n (t_record + t_backward)) / (n (t_record +
 t_backward))`` with the schedule's exact count of unrecorded steps (closed forms where they
-exist: Griewank & Walther 2000 for revolve).
+exist: Griewank & Walther 2000 for revolve); a reversible schedule adds ``n - 1`` inverses
+at ``t_inverse`` (measured by the planner; ``t_advance`` when not).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from .budget import parse_budget
 from .profiling import StepProfile
 
 __all__ = ["Strategy", "StoreAll", "Revolve", "Periodic", "Online", "TwoLevel", "RevolveTail",
-           "Mixed", "Budget", "as_strategy", "strategy_for"]
+           "Mixed", "Reversible", "Budget", "as_strategy", "strategy_for"]
 
 
 def _count(name: str, value: Any, low: int) -> int:
@@ -328,6 +331,87 @@ class Online(Revolve):
 
     def __repr__(self) -> str:
         return f"Online({self.snapshots})"
+
+
+class Reversible(Strategy):
+    """Rebuild states by the step's inverse (``step.inverse(state, i)``; steppers in
+    :mod:`deepsolve.reversible`): memory independent of ``n`` apart from the snapshots, one
+    inverse per step instead of revolve's recomputations (:mod:`deepsolve.schedules.
+    reversible`). A snapshot every ``every`` steps, or ``snapshots`` of them spread over the
+    chain (``x_0`` included; default 8), bounds the drift of rebuilt states to one window:
+    it is measured at every snapshot, its maximum is ``UnrollStats.reconstruction_error``,
+    and above ``tolerance`` (default ``sqrt(eps)`` of the state's dtype) the unroll raises
+    (``on_drift="raise"``) or recomputes that window from its snapshot with revolve
+    (``"recompute"``: 7 more snapshots and a parameter-gradient buffer of memory)."""
+
+    kind = "reversible"
+    #: snapshots when neither ``every`` nor ``snapshots`` is given
+    DEFAULT_SNAPSHOTS: ClassVar[int] = 8
+
+    def __init__(self, every: int | None = None, *, snapshots: int | None = None,
+                 tolerance: float | None = None, on_drift: str = "raise"):
+        if every is not None and snapshots is not None:
+            raise ValueError("Reversible: give every= (steps between snapshots) or "
+                             "snapshots= (how many), not both")
+        self.every = None if every is None else _count("Reversible: every", every, 1)
+        self.snapshots = None if snapshots is None else _count("Reversible: snapshots",
+                                                                snapshots, 1)
+        if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(
+                tolerance, (int, float)) or not tolerance > 0):
+            raise ValueError(f"Reversible: tolerance must be a number > 0, got {tolerance!r}")
+        if on_drift not in ("raise", "recompute"):
+            raise ValueError(f"Reversible: on_drift must be 'raise' or 'recompute', got "
+                             f"{on_drift!r}")
+        self.tolerance = tolerance
+        self.on_drift = on_drift
+
+    def interval(self, n_steps: int) -> int:
+        """Steps between snapshots for a chain of ``n_steps``."""
+        if self.every is not None:
+            return self.every
+        s = self.snapshots or self.DEFAULT_SNAPSHOTS
+        return max(1, -(-(n_steps - 1) // s))
+
+    def slots(self, n_steps: int) -> int:
+        """Snapshots held at the peak, ``x_0`` included."""
+        return max(1, -(-(n_steps - 1) // self.interval(n_steps)))
+
+    def build(self, n_steps: int) -> S.Schedule:
+        return S.reversible(n_steps, self.interval(n_steps))
+
+    def advances(self, n_steps: int) -> int:
+        """The forward sweep's unrecorded steps (the inverses are priced apart)."""
+        return max(n_steps - 1, 0)
+
+    def predicted_time(self, profile: StepProfile, n_steps: int) -> float:
+        p = profile
+        plain = n_steps * (p.t_record + p.t_backward)
+        if plain <= 0:
+            return 1.0
+        t_inv = p.t_advance if p.t_inverse is None else p.t_inverse
+        # the forward sweep, the first pair's check, and one inverse per step
+        return ((self.advances(n_steps) + 1) * p.t_advance + n_steps * t_inv + plain) / plain
+
+    def _terms(self, p: StepProfile, n: int) -> dict[str, int]:
+        terms = {"snapshots": (self.slots(n) - 1) * p.slot_bytes,
+                 "working set of the step": p.step_bytes,
+                 "adjoints and states": 5 * p.state_bytes}
+        if self.on_drift == "recompute":
+            terms["recomputing a drifting window"] = 7 * p.slot_bytes + p.grad_bytes
+        return terms
+
+    def describe(self) -> str:
+        return (f"reversible(every={self.every})" if self.every is not None else
+                f"reversible(snapshots={self.snapshots or self.DEFAULT_SNAPSHOTS})")
+
+    def __repr__(self) -> str:
+        args = [f"every={self.every}" if self.every is not None else
+                f"snapshots={self.snapshots}" if self.snapshots is not None else ""]
+        if self.tolerance is not None:
+            args.append(f"tolerance={self.tolerance:g}")
+        if self.on_drift != "raise":
+            args.append(f"on_drift={self.on_drift!r}")
+        return f"Reversible({', '.join(a for a in args if a)})"
 
 
 class Budget(Strategy):

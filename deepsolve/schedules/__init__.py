@@ -11,7 +11,7 @@ vocabulary and docs/schedules.md for a guide.
 True
 """
 
-from .actions import Action, Advance, Free, Record, Restore, Reverse, Store
+from .actions import Action, Advance, Free, Invert, Record, Restore, Reverse, Store
 from .base import Schedule
 from .basic import Periodic, Shifted, StoreAll, periodic, shifted, store_all
 from .check import LevelCounts, ScheduleError, ScheduleStats, check, stats
@@ -19,17 +19,18 @@ from .cost import beta, optimal_cost, repetitions
 from .hetero import ChainCosts, Hetero, hetero, hetero_cost, hetero_peak, least_memory
 from .mixed import Mixed, mixed, mixed_cost, peak_units
 from .online import Online, OnlineController, OnlineSchedule, online
+from .reversible import Reversible, reversible
 from .revolve import Revolve, revolve
 from .tail import RevolveTail, revolve_tail, revolve_tail_cost
 from .two_level import TwoLevel, makespan, two_level, two_level_cost
 
 __all__ = [
     "ChainCosts", "Hetero", "hetero", "hetero_cost", "hetero_peak", "least_memory",
-    "Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse",
+    "Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse", "Invert",
     "Schedule", "Revolve", "StoreAll", "Periodic", "TwoLevel", "Mixed", "Shifted", "shifted",
     "revolve", "store_all", "periodic", "two_level", "two_level_cost", "makespan",
     "mixed", "mixed_cost", "peak_units", "RevolveTail", "revolve_tail", "revolve_tail_cost",
-    "Online", "OnlineController", "OnlineSchedule", "online",
+    "Online", "OnlineController", "OnlineSchedule", "online", "Reversible", "reversible",
     "optimal_cost", "repetitions", "beta",
     "check", "stats", "ScheduleStats", "ScheduleError", "LevelCounts",
 ]

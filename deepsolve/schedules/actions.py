@@ -29,9 +29,17 @@ Semantics:
     the adjoint step: requires the adjoint at ``index + 1``; uses the tape kept for
     step ``index`` if there is one, otherwise *records* step ``index`` from the current
     state (which must be ``x_index``) and reverses it at once. Afterwards the adjoint is at
-    ``index`` and the current state is undefined.
+    ``index`` and the current state is undefined; the reversed step's input ``x_index`` is
+    *retained* until the next action that moves the state (for an ``Invert``).
+``Invert(index)``
+    the adjoint step of a reversible step: requires the adjoint at ``index + 1`` and
+    ``x_{index+1}`` — the current state, or the input retained by the reverse step just
+    before; computes ``x_index`` by the step's *inverse*, records step ``index`` from it and
+    reverses it at once. Afterwards the adjoint is at ``index``, the current state is
+    undefined and ``x_index`` is retained. Costs one inverse and one recorded step.
 
-Every schedule records each step exactly once (``Record`` or tape-less ``Reverse``).
+Every schedule records each step exactly once (``Record``, tape-less ``Reverse`` or
+``Invert``).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import final
 
-__all__ = ["Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse"]
+__all__ = ["Action", "Advance", "Record", "Store", "Restore", "Free", "Reverse", "Invert"]
 
 FAST = 0
 """Storage level 0: the device's own memory."""
@@ -101,4 +109,13 @@ class Reverse:
     index: int
 
 
-Action = Advance | Record | Store | Restore | Free | Reverse
+@final
+@dataclass(frozen=True, slots=True)
+class Invert:
+    """The adjoint step through step ``index``, its input rebuilt by the step's inverse
+    from ``x_{index+1}``."""
+
+    index: int
+
+
+Action = Advance | Record | Store | Restore | Free | Reverse | Invert

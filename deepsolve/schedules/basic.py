@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .actions import Action, Advance, Free, Record, Restore, Reverse, Store
+from .actions import Action, Advance, Free, Invert, Record, Restore, Reverse, Store
 from .base import Schedule
 from .cost import _check
 
@@ -98,38 +98,44 @@ def periodic(n_steps: int, every: int | None = None) -> Periodic:
 
 class Shifted(Schedule):
     """``schedule`` for steps ``offset .. offset + n - 1`` of a longer chain: every action's
-    step indices moved by ``offset`` (slots and levels unchanged). A truncated unroll reverses
-    each window ``[a, a + K)`` with the window's own schedule shifted by ``a``."""
+    step indices moved by ``offset`` and its slot numbers by ``slot_offset`` (levels
+    unchanged). A truncated unroll reverses each window ``[a, a + K)`` with the window's own
+    schedule shifted by ``a``; a reversible unroll recomputes a drifting window with revolve
+    in slots beside its own."""
 
-    def __init__(self, schedule: Schedule, offset: int):
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-            raise ValueError(f"offset must be an integer >= 0, got {offset!r}")
+    def __init__(self, schedule: Schedule, offset: int, slot_offset: int = 0):
+        for name, v in (("offset", offset), ("slot_offset", slot_offset)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         self.schedule = schedule
         self.offset = offset
+        self.slot_offset = slot_offset
         self.n_steps = schedule.n_steps
-        self.slots = dict(schedule.slots)
+        self.slots = {lv: c + slot_offset for lv, c in schedule.slots.items()}
         self.kind = schedule.kind
 
     def __iter__(self) -> Iterator[Action]:
-        d = self.offset
-        if d == 0:
+        d, ds = self.offset, self.slot_offset
+        if d == 0 and ds == 0:
             yield from self.schedule
             return
         for a in self.schedule:
             if type(a) is Advance or type(a) is Record:
                 yield type(a)(a.start + d, a.stop + d)
-            elif type(a) is Reverse:
-                yield Reverse(a.index + d)
+            elif type(a) is Reverse or type(a) is Invert:
+                yield type(a)(a.index + d)
             else:
-                yield type(a)(a.slot, a.index + d, a.level)
+                yield type(a)(a.slot + ds, a.index + d, a.level)
 
     def _params(self) -> str:
         return f"offset={self.offset}, schedule={self.schedule!r}"
 
     def __repr__(self) -> str:
-        return f"shifted({self.schedule!r}, offset={self.offset})"
+        extra = f", slot_offset={self.slot_offset}" if self.slot_offset else ""
+        return f"shifted({self.schedule!r}, offset={self.offset}{extra})"
 
 
-def shifted(schedule: Schedule, offset: int) -> Shifted:
-    """``schedule`` moved to steps ``offset ..`` of a longer chain (see :class:`Shifted`)."""
-    return Shifted(schedule, offset)
+def shifted(schedule: Schedule, offset: int, slot_offset: int = 0) -> Shifted:
+    """``schedule`` moved to steps ``offset ..`` of a longer chain and its slots to
+    ``slot_offset ..`` (see :class:`Shifted`)."""
+    return Shifted(schedule, offset, slot_offset)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .actions import Action, Advance, Free, Record, Restore, Reverse, Store
+from .actions import Action, Advance, Free, Invert, Record, Restore, Reverse, Store
 
 __all__ = ["ScheduleError", "ScheduleStats", "LevelCounts", "check", "stats"]
 
@@ -55,6 +55,7 @@ class ScheduleStats:
         peak_slots_total: most snapshots held at once over all levels.
         peak_storage: most snapshots + kept tapes held at once (for mixed schedules, where a
             slot holds either).
+        inverses: states rebuilt by the step's inverse (``Invert``).
     """
 
     n_steps: int
@@ -68,6 +69,7 @@ class ScheduleStats:
     actions: int
     peak_slots_total: int = field(default=0)
     peak_storage: int = field(default=0)
+    inverses: int = field(default=0)
 
     @property
     def recompute_factor(self) -> float:
@@ -100,13 +102,17 @@ def _walk(
     kept: set[int] = set()
     peak_tapes = 0
     peak_storage = 0
-    advances = recorded = 0
+    advances = recorded = inverses = 0
+    retained = -1  # the input x_i of the reverse step just before (for an Invert)
     count = 0
 
     def fail(msg: str) -> ScheduleError:
         return ScheduleError(f"action {count} ({action!r}): {msg}")
 
     for count, action in enumerate(schedule):  # noqa: B007 (count is read by fail)
+        kind = type(action)
+        if kind is not Invert and kind is not Store and kind is not Free:
+            retained = -1  # any other action moves on from the retained input
         if type(action) is Advance or type(action) is Record:
             a, b = action.start, action.stop
             if current != a:
@@ -143,6 +149,21 @@ def _walk(
                 recorded += 1
             current = -1  # after any reverse step the current state is undefined
             adjoint = i
+            retained = i
+        elif type(action) is Invert:
+            i = action.index
+            if i != adjoint - 1:
+                raise fail(f"the adjoint is at x_{adjoint}, so the next reverse step is "
+                           f"{adjoint - 1}, not {i}")
+            if current != i + 1 and retained != i + 1:
+                have = f"x_{current}" if current >= 0 else "no state"
+                raise fail(f"inverting step {i} needs x_{i + 1} (the current state, or the "
+                           f"input of the reverse step just before) but holds {have}")
+            inverses += 1
+            recorded += 1
+            current = -1
+            adjoint = i
+            retained = i
         elif type(action) is Store:
             key = (action.level, action.slot)
             if current != action.index:
@@ -182,7 +203,7 @@ def _walk(
                 frees[lv] = frees.get(lv, 0) + 1
         else:
             raise fail("is not a schedule action (Advance, Record, Store, Restore, Free, "
-                       "Reverse)")
+                       "Reverse, Invert)")
     count += 1
     if adjoint != 0:
         raise ScheduleError(
@@ -208,6 +229,7 @@ def _walk(
         actions=count if n else 0,
         peak_slots_total=peak_total,
         peak_storage=peak_storage,
+        inverses=inverses,
     )
 
 

@@ -57,7 +57,7 @@ from collections.abc import Iterable, Iterator
 from fractions import Fraction
 from functools import lru_cache
 
-from .actions import Action, Advance, Free, Record, Restore, Reverse, Store
+from .actions import Action, Advance, Free, Invert, Record, Restore, Reverse, Store
 from .base import Schedule
 from .check import stats
 from .cost import optimal_cost
@@ -246,8 +246,8 @@ def _shifted(actions: Iterable[Action], a: int) -> Iterator[Action]:
             yield Advance(act.start + a, act.stop + a)
         elif type(act) is Reverse:
             yield Reverse(act.index + a)
-        else:  # Store, Restore, Free (revolve records nothing ahead)
-            assert type(act) is not Record
+        else:  # Store, Restore, Free (revolve records nothing ahead, inverts nothing)
+            assert type(act) is not Record and type(act) is not Invert
             yield type(act)(act.slot, act.index + a, act.level)
 
 

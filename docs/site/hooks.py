@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -24,15 +25,19 @@ from mkdocs.structure.files import File
 ROOT = Path(__file__).resolve().parents[2]
 
 #: the subpackages and modules with a reference page, in navigation order
-MODULES = ["deepsolve.schedules", "deepsolve.memory", "deepsolve.fixed_point",
+MODULES = ["deepsolve.schedules", "deepsolve.memory", "deepsolve.reversible",
+           "deepsolve.fixed_point",
            "deepsolve.sequential", "deepsolve.pinn", "deepsolve.io", "deepsolve.io.tracking",
            "deepsolve.distributed", "deepsolve.physics", "deepsolve.gradcheck",
            "deepsolve.problem", "deepsolve.train"]
 
 
 def _public(module: str) -> list[str]:
-    names = list(importlib.import_module(module).__all__)
-    return [n for n in names if not n.startswith("_") and n != "schedules"]
+    """The public names of ``module`` less the submodules it exports (``deepsolve.schedules``,
+    ``deepsolve.reversible``: pages of their own in :data:`MODULES`)."""
+    mod = importlib.import_module(module)
+    return [n for n in mod.__all__ if not n.startswith("_")
+            and not inspect.ismodule(getattr(mod, n, None))]
 
 
 def _top_identifier(name: str) -> str:
