@@ -336,6 +336,10 @@ def test_step_without_inverse_and_random_steps_are_refused():
     noisy = rv.invertible(lambda x, i: x + 0.01 * torch.randn_like(x), lambda x, i: x)
     with pytest.raises(ValueError, match="draws no random numbers"):
         ds.unroll(noisy, x0, 10, schedule=ds.Reversible())
+    lf = rv.leapfrog(lambda q, t: -q, 0.1)
+    with pytest.raises(ValueError, match="snapshot_dtype= with a reversible schedule"):
+        ds.unroll(lf, (x0, x0.detach()), 10, schedule=ds.Reversible(),
+                  snapshot_dtype=torch.float32)
     with pytest.raises(ValueError, match="online"):
         ds.unroll(rv.leapfrog(lambda q, t: -q, 0.1), (x0, x0.detach()),
                   until=lambda x, i: i >= 5, schedule=ds.Reversible())

@@ -852,6 +852,10 @@ def execute(
     if inverse is not None:
         if until is not None:
             raise ValueError("unroll: a reversible unroll needs a known n_steps, not until=")
+        if snapshot_dtype is not None:
+            raise ValueError("unroll: snapshot_dtype= with a reversible schedule: its snapshots "
+                             "are the exact states the drift is measured against and rebuilt "
+                             "from; leave snapshot_dtype unset")
         reversal = Reversal(inverse, fn, tolerance, on_drift)
     ex = UnrollRun(fn, sched, n_steps, len(x0), Replay.of(x0 + explicit, preserve_rng), stats,
                    storage, recorder, snapshot_dtype, x0, reversal)

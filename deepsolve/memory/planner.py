@@ -702,7 +702,8 @@ def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=No
                 continue
             policies.append(dataclasses.replace(measured, snapshot_bytes=prof.snapshot_bytes))
     slow = agree_level(measure_level(offload, leaves, spill_dir), group) if offload else None
-    t_inv = _time_inverse(step, state)
+    # a reversible schedule keeps its snapshots exact (the drift is measured against them)
+    t_inv = _time_inverse(step, state) if snapshot_dtype is None else None
     if t_inv is not None:
         prof = dataclasses.replace(prof, t_inverse=t_inv)
         if policies:
