@@ -303,9 +303,7 @@ class Interpreter:
                 elif t is Reverse:
                     i = a.index
                     if i != self.adj - 1 or i < 0:
-                        raise Misfit(f"the adjoint is at x_{self.adj}, so the next reverse "
-                                     f"{unit} is Reverse({self.adj - 1})" if self.adj else
-                                     f"every {unit} is already reversed")
+                        raise Misfit(self._order_misfit())
                     if at != i and i not in self.tapes:
                         raise Misfit(f"reversing {unit} {i} needs x_{i} (or a Record of "
                                      f"{unit} {i}) but the executor holds {holding(at)}")
@@ -320,9 +318,7 @@ class Interpreter:
                 elif t is Invert:
                     i = a.index
                     if i != self.adj - 1 or i < 0:
-                        raise Misfit(f"the adjoint is at x_{self.adj}, so the next reverse "
-                                     f"{unit} is {self.adj - 1}" if self.adj else
-                                     f"every {unit} is already reversed")
+                        raise Misfit(self._order_misfit())
                     if at == i + 1:
                         nxt = cur
                     elif ret == i + 1:
@@ -370,6 +366,13 @@ class Interpreter:
                 f"{e}{self.check_hint}") from None
         self.at, self.pos = at, k
         return cur, None
+
+    def _order_misfit(self) -> str:
+        """A reverse step (Reverse or Invert) out of order: which one comes next."""
+        if not self.adj:
+            return f"every {self.unit} is already reversed"
+        return (f"the adjoint is at x_{self.adj}, so the next reverse {self.unit} is "
+                f"Reverse({self.adj - 1}) (or Invert({self.adj - 1}) for a reversible step)")
 
     def _range_misfit(self, lo: int, hi: int, at: int, limit: int) -> str:
         if lo != at or at < 0:

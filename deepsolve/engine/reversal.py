@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .replay import Replay, get_rng
-from .state import Step, is_diff, spec_str
+from .state import Step, is_diff
 
 __all__ = ["Reversal", "ReconstructionError", "relative_error", "default_tolerance",
            "ON_DRIFT"]
@@ -111,15 +111,7 @@ class Reversal:
         res = self.fn(step._unflat(nxt), i)
         flat = step._flat(res)
         if flat is None:
-            try:
-                from torch.utils import _pytree as pytree
-
-                got = spec_str(pytree.tree_structure(res))
-            except Exception:  # pragma: no cover - exotic containers
-                got = type(res).__name__
-            raise TypeError(f"unroll: the step's inverse returned a state of structure {got} "
-                            f"at step {i}, but the state has structure "
-                            f"{spec_str(step.spec) if step.spec is not None else 'a tensor'}")
+            raise step.structure_error(res, "the step's inverse returned", f" at step {i}")
         step.fast_check(flat, i)
         return flat
 

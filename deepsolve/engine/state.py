@@ -211,13 +211,19 @@ class Step:
         else:
             leaves = self._flat(nxt)
             if leaves is None:
-                try:
-                    got = spec_str(pytree.tree_structure(nxt))
-                except Exception:  # pragma: no cover - exotic containers
-                    got = type(nxt).__name__
-                raise TypeError(f"unroll: step {i} returned a state of structure {got}, but "
-                                f"the state has structure {spec_str(self.spec)}")
+                raise self.structure_error(nxt, f"step {i} returned")
         return self.check_leaves(leaves, i)
+
+    def structure_error(self, obj: Any, what: str, where: str = "") -> TypeError:
+        """The one-line error for ``obj``, not of the state's structure: ``unroll: {what} a
+        state of structure ...{where}, but the state has structure ...``."""
+        try:
+            got = spec_str(pytree.tree_structure(obj))
+        except Exception:  # pragma: no cover - exotic containers
+            got = type(obj).__name__
+        want = spec_str(self.spec) if self.spec is not None else "a tensor"
+        return TypeError(f"unroll: {what} a state of structure {got}{where}, but the state "
+                         f"has structure {want}")
 
     def check_leaves(self, leaves: list[torch.Tensor], i: int) -> list[torch.Tensor]:
         """Every leaf a tensor of the forward sweep's shape, dtype and device."""
