@@ -145,19 +145,21 @@ def call(kind: str, n: int, budget: int) -> dict:
     real_warm, _ = measured(budgeted(warm_stats))
     hostalloc.set_limit(None)
 
-    def plain():
-        y = x0
-        for i in range(n):
-            y = step(y, i)
-        return torch.autograd.grad(loss(y), [x0, *params])
-
-    real_plain, ref = measured(plain)
+    real_plain, ref = measured(lambda: plain_grads(step, x0, params, n))
     p, q = cold_stats.extra["plan"], warm_stats.extra["plan"]
     error = max(((a - r).norm() / r.norm()).item() for a, r in zip(grads, ref, strict=True))
     return {"kind": kind, "n": n, "budget": budget, "plan": p.describe(),
             "warm_plan": q.describe(), "plan_kind": p.kind, "predicted": p.predicted_peak,
             "real_cold": real_cold, "real_warm": real_warm, "real_plain": real_plain,
             "grad_error": error, "host": hostalloc.active()}
+
+
+def plain_grads(step, x0, params, n: int):
+    """Plain autograd through ``n`` steps: the gradients of the loss of ``x_n``."""
+    y = x0
+    for i in range(n):
+        y = step(y, i)
+    return torch.autograd.grad(loss(y), [x0, *params])
 
 
 def main(argv: list[str]) -> None:
@@ -179,14 +181,7 @@ def main(argv: list[str]) -> None:
         kind, n = argv[1], int(argv[2])
         step, x0, params = build(kind)
         torch.autograd.grad(loss(step(x0, 0)), [x0, *params])
-
-        def plain():
-            y = x0
-            for i in range(n):
-                y = step(y, i)
-            return torch.autograd.grad(loss(y), [x0, *params])
-
-        real, _ = measured(plain)
+        real, _ = measured(lambda: plain_grads(step, x0, params, n))
         print(json.dumps({"kind": kind, "n": n, "real_plain": real}))
         return
     if argv[0] == "profile":  # the first plan alone: profile and planning, cold
