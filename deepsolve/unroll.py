@@ -17,13 +17,15 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .engine import HostStorage, UnrollStats, check_truncate, execute
+from .engine.segments import Segments, segments
 from .memory import BudgetError, device_capacity, format_bytes
 from .memory.agree import agree_min, agree_profile
 from .memory.budget import parse_budget
 from .memory.offload import DiskStorage
-from .memory.planner import online_snapshots
+from .memory.planner import choose, online_snapshots
 from .memory.planner import plan as make_plan
 from .memory.profiling import profile_step
+from .memory.segments import SegmentChoice, choose_segment, dispatch_cost
 from .memory.strategies import Budget, Online, Reversible, StoreAll, Strategy, as_strategy
 from .schedules import Schedule, online, revolve, store_all
 
@@ -55,6 +57,8 @@ def unroll(
     snapshot_dtype: torch.dtype | None = None,
     adjoint_hook: Callable[[int, Any], Any] | None = None,
     truncate: int | None = None,
+    compile: bool | int | str = False,
+    compile_runs: int = 1,
 ) -> Any:
     """Run ``x_{i+1} = step(x_i, i)`` for ``n_steps`` steps with checkpointed, exact gradients.
 
@@ -142,6 +146,21 @@ def unroll(
             own with the strategy's schedule for ``K`` steps (``budget=`` plans one window),
             so memory is that of one window, whatever ``n``; the windows before the last
             cost one more unrecorded forward sweep.
+        compile: run ``k`` consecutive steps as one compiled graph (``torch.compile``, the
+            loop unrolled; docs/compile.md): ``True`` — compile, the segment length ``k``
+            chosen by the model of :mod:`deepsolve.memory.segments` (per-call overhead,
+            dispatch saved, tape ``k`` times a step's under ``budget=``, compile time); an
+            integer ``k`` — that length; ``"auto"`` — compile only when the model says the
+            compile time is repaid within ``compile_runs`` unrolls, eager otherwise;
+            ``False`` (default) — eager steps. The strategy then checkpoints the chain of
+            ``ceil(n / k)`` segments (``truncate=`` takes a ``k`` that divides it). A step
+            the compiler cannot take whole, whose compiled result differs from the eager one,
+            or that draws random numbers raises a one-line error (``"auto"``: warns and runs
+            eagerly). ``until=``, ``adjoint_hook=``, adjoint norms and a reversible strategy
+            see every state, so they run compiled single steps. Gradients are those of the
+            compiled forward (equal to the eager ones up to rounding).
+        compile_runs: how many unrolls of this step the compile time is spread over (a
+            training run's iterations), for ``compile=True`` and ``"auto"``.
 
     Returns:
         ``x_n``, or ``(x_n, outputs)`` where ``outputs`` stacks the per-step outputs along a
@@ -155,6 +174,15 @@ def unroll(
         RuntimeError: the step modified its input state in place (found at step 0).
     """
     _check_step(step)
+    if compile is not False and compile is not None:
+        done = _segmented(step, state, n_steps, compile, compile_runs, until=until,
+                          max_steps=max_steps, snapshots=snapshots, schedule=schedule,
+                          budget=budget, offload=offload, spill_dir=spill_dir, params=params,
+                          has_output=has_output, preserve_rng=preserve_rng, stats=stats,
+                          policy=policy, snapshot_dtype=snapshot_dtype,
+                          adjoint_hook=adjoint_hook, truncate=truncate)
+        if done is not _EAGER:
+            return done
     if until is not None:
         if truncate is not None:
             raise ValueError("unroll: truncate= needs a known n_steps, not until=")
@@ -201,6 +229,108 @@ def unroll(
                    preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
                    snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook,
                    **_reversal(chosen, step, sched))
+
+
+_EAGER = object()  # _segmented's answer when the steps run eagerly
+
+
+def _compile_mode(compile: Any) -> bool | int | str:
+    if compile is True or compile == "auto":
+        return compile
+    if isinstance(compile, int) and not isinstance(compile, bool) and compile >= 1:
+        return compile
+    raise ValueError(f"unroll: compile must be True, False, 'auto' or a segment length >= 1, "
+                     f"got {compile!r}")
+
+
+def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, **kw) -> Any:
+    """``unroll`` over compiled segments of ``k`` steps (:mod:`deepsolve.engine.segments`),
+    ``k`` from :func:`deepsolve.memory.segments.choose_segment`; :data:`_EAGER` when the
+    model says eager (``compile="auto"``)."""
+    mode = _compile_mode(compile)
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"unroll: compile_runs must be an integer >= 1, got {runs!r}")
+    how: Any = kw["schedule"]
+    single = (until is not None or kw["adjoint_hook"] is not None
+              or (stats is not None and stats.adjoint_norms is not False)
+              or isinstance(how, Schedule) or n_steps is None
+              or getattr(how, "kind", None) == "reversible")
+    choice = None
+    if isinstance(mode, int) and mode is not True:
+        k = 1 if single else mode
+    elif single:
+        k = 1
+    elif n_steps == 0 or not torch.is_grad_enabled():
+        k = 1 if mode is True else 0
+    else:
+        choice = _choose_k(step, state, n_steps, mode, runs, kw)
+        k = choice.k
+    if k == 0:
+        if stats is not None and choice is not None:
+            stats.extra["compile"] = choice
+        return _EAGER
+    if truncate is not None and n_steps is not None:
+        K = check_truncate(truncate)
+        k = max(d for d in range(1, min(k, K) + 1) if K % d == 0)
+    seg = segments(step, k, n_steps if until is None else None, has_output=kw["has_output"],
+                   strict=mode != "auto")
+    if torch.is_grad_enabled():
+        _warm(seg, state)
+    m = seg.segments if until is None else None
+    if stats is not None and choice is not None:
+        stats.extra["compile"] = choice
+    res = unroll(seg, state, m, until=until, truncate=None if truncate is None else
+                 truncate // k, stats=stats, **{**kw, "has_output": seg.has_output})
+    if stats is not None:
+        stats.segment = k
+        stats.compile_time += seg.compile_time
+        plan = stats.extra.get("plan")
+        if plan is not None and choice is not None:
+            plan.segment = choice
+    if seg.has_output:
+        x, outs = res
+        return x, seg.outputs(outs)
+    return res
+
+
+def _warm(seg: Segments, state: Any) -> None:
+    """Compile the first segment in both grad modes (its backward too) before the unroll
+    and its profile run: compilation is not timed as a step, nor counted as its memory."""
+    with torch.no_grad():
+        seg(state, 0)
+    x = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()
+                                                            or t.is_complex())
+                        if isinstance(t, torch.Tensor) else t, state)
+    res = seg(x, 0)
+    ins = [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.requires_grad]
+    outs = [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor)
+            and t.requires_grad]
+    if ins and outs:
+        torch.autograd.grad([o.real.sum() if o.is_complex() else o.sum() for o in outs], ins,
+                            allow_unused=True)
+
+
+def _choose_k(step, state, n_steps: int, mode, runs: int, kw) -> SegmentChoice:
+    """The segment length by the model, for the strategy or budget asked for."""
+    how = as_strategy(kw["schedule"], kw["snapshots"], kw["budget"], kw["offload"],
+                      kw["spill_dir"])
+    prof = profile_step(step, state, params=kw["params"])
+    q, d = dispatch_cost(step, state)
+    if isinstance(how, Budget):
+        leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+        nbytes = parse_budget(how.budget, leaves[0].device if leaves else None)
+
+        def time_of(p, m):
+            try:
+                return choose(p, m, nbytes).predicted_time, True
+            except BudgetError:
+                return float("inf"), False
+    else:
+        strategy = cast(Strategy, how)
+
+        def time_of(p, m):
+            return strategy.predicted_time(p, m), True
+    return choose_segment(prof, n_steps, q, d, mode=mode, runs=runs, time_of=time_of)
 
 
 def _reversal(how: Any, step: Any, sched: Schedule | None = None) -> dict[str, Any]:

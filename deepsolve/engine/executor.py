@@ -92,6 +92,11 @@ class UnrollStats(SweepStats):
             ``adjoint_hook`` changes it; NaN where autograd computes none: ``x_0`` of a
             store-all unroll that does not require grad). ``False`` (default): nothing is
             computed.
+        segment: steps per compiled segment (``unroll(..., compile=...)``); the counts
+            above are then segment evaluations, each ``segment`` steps (the last fewer).
+            ``1``: single steps.
+        compile_time: seconds this unroll spent compiling segments and checking them against
+            the eager steps (first calls); ``0`` when the compiled code was reused.
     """
 
     n_steps: int = 0
@@ -101,6 +106,8 @@ class UnrollStats(SweepStats):
     inverses: int = 0
     reconstruction_error: float | None = None
     adjoint_norms: Any = False
+    segment: int = 1
+    compile_time: float = 0.0
 
     def __repr__(self) -> str:
         """One line: the counts, the times and the names of the ``extra`` facts (the plan
@@ -124,6 +131,9 @@ class UnrollStats(SweepStats):
                  f"{self.snapshot_bytes_peak} bytes at most in device memory; one state "
                  f"{self.state_bytes} bytes",
                  f"  time: forward {self.forward_time:.4g} s, backward {self.backward_time:.4g} s"]
+        if self.segment > 1 or self.compile_time:
+            lines.append(f"  compiled segments of {self.segment} step(s); first calls "
+                         f"(compile and check) {self.compile_time:.3g} s")
         if self.inverses or self.reconstruction_error is not None:
             err = self.reconstruction_error
             lines.append(f"  reversible: {self.inverses} states rebuilt by the inverse, "

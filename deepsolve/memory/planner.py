@@ -126,6 +126,9 @@ class Plan:
         terms: the predicted peak's terms (:func:`peak_terms`: snapshots, kept tapes, the
             step's working set, adjoints and states, parameter gradients, stacked outputs);
             they sum to ``predicted_peak``.
+        segment: with ``unroll(..., compile=...)``, the
+            :class:`~deepsolve.memory.segments.SegmentChoice` (``k`` and why); the plan is
+            then over ``n_steps`` segments of ``k`` steps, profiled compiled.
     """
 
     kind: str
@@ -146,6 +149,7 @@ class Plan:
     terms: dict[str, int] = field(default_factory=dict)
     strategy: Strategy | None = None
     library_bytes: int = 0
+    segment: Any = None
 
     def explain(self) -> str:
         """A short table of the alternatives weighed, the chosen plan's peak term by term,
@@ -190,6 +194,10 @@ class Plan:
                   f"to the process's peak), time {self.predicted_time:.2f}x the plain unroll, "
                   f"recompute factor {self.recompute_factor:.2f}"]
         lines += [f"  {name:<28} {format_bytes(v):>12}" for name, v in self.terms.items()]
+        if self.segment is not None:
+            lines += ["", f"the chain is {self.n_steps} compiled segments of "
+                      f"{self.segment.k} steps; the profile above is a segment's",
+                      self.segment.explain()]
         return "\n".join(lines)
 
     def describe(self) -> str:

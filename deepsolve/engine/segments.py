@@ -1,0 +1,366 @@
+"""Compiled step segments: ``k`` consecutive steps run as one compiled graph.
+
+Contract. ``Segments(step, k, n_steps)`` is itself a step of a chain of
+``m = ceil(n_steps / k)`` segments: ``seg(x, j)`` runs the user's steps
+``jk, jk + 1, ..., min(jk + k, n) - 1`` and returns the state after them, so that
+
+    x_{(j+1)k} = seg(x_{jk}, j) = step(... step(step(x_{jk}, jk), jk + 1) ..., jk + k - 1),
+
+the last segment running the ``n - (m - 1)k`` remaining steps (eagerly: a compiled graph of
+its own would cost a compile for a few evaluations per unroll). A step with per-step outputs
+gives a segment whose output stacks its steps' outputs along a new leading dimension of
+size ``k`` (the last segment's padded with zeros); :meth:`Segments.outputs` turns the
+executor's ``(m, k, ...)`` stack back into the ``(n, ...)`` stack of the plain loop. A
+checkpoint schedule over the ``m`` segments then keeps segment-boundary snapshots, and a
+recorded segment is one compiled forward and one compiled backward (AOTAutograd): the
+gradient is the exact gradient of the compiled forward.
+
+Compilation (``torch.compile(fullgraph=True)``, the loop over the ``k`` steps unrolled by
+the compiler) happens at the first call of each segment length and grad mode; the segment's
+start index is a dynamic integer (``torch.compiler.config.dynamic_sources`` names it), so
+the step index does not recompile per segment. Compiled code is cached per step (the same
+function, the same bound method's object and function) and reused across unrolls.
+
+Trust. At the first call of each segment length the compiled segment runs beside the eager
+one from the same state under ``no_grad``: a step the compiler cannot take whole (a graph
+break, data-dependent Python control flow, a recompile storm, no C++ compiler) or whose
+compiled result differs from the eager one beyond rounding runs eagerly from then on, with
+one warning line naming the reason. A segment that draws random numbers (compiled random
+streams are not the eager ones, and the forward and recorded graphs draw differently) is
+refused with a one-line :class:`CompileError` (``strict``) or, not strict, runs eagerly with
+the warning. A compiled call that fails later (a new guard, the recompile limit) is rerun
+eagerly and the step stays eager. Never a wrong gradient.
+
+Cost (measured in docs/benchmarks.md "Compiled segments"): the per-call overhead of a
+compiled graph is tens of microseconds, its per-step arithmetic a fraction of the eager
+dispatch; compile time grows with ``k`` (the unrolled graph), which
+:mod:`deepsolve.memory.segments` weighs against the run.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .replay import cuda_devices, get_rng, set_rng
+
+__all__ = ["Segments", "segments", "CompileError", "INDEX", "segment_count"]
+
+#: the name of a segment's start index inside the compiled function: marked dynamic
+INDEX = "deepsolve_segment_start"
+_CACHE_SIZE = 32  # compiled steps kept across unrolls (least recently used dropped)
+_cache: OrderedDict[Any, Segments] = OrderedDict()
+_compiled: dict[Any, dict[int, Callable]] = {}  # per (step, k, strict): length -> compiled
+_eager_reasons: dict[Any, str] = {}  # per (step, k, strict): why it runs eagerly
+
+
+class CompileError(RuntimeError):
+    """A compiled segment that cannot be trusted, with ``compile=True`` (one line)."""
+
+
+def segment_count(n_steps: int, k: int) -> int:
+    """``ceil(n / k)``: the length of the chain of ``k``-step segments."""
+    return -(-n_steps // k)
+
+
+def _mark_index_dynamic() -> None:
+    """Name the segment start as a dynamic integer source (inert for every other source)."""
+    cfg = torch.compiler.config
+    entry = f"L['{INDEX}']"
+    have = [s for s in cfg.dynamic_sources.split(",") if s]
+    if entry not in have:
+        cfg.dynamic_sources = ",".join([*have, entry])
+
+
+def _identity(step: Any) -> Any:
+    """What stays the same for the same step across calls: a bound method is new at every
+    attribute access, its object and function are not."""
+    if isinstance(step, types.MethodType):
+        return ("method", step.__self__, step.__func__)
+    return ("callable", step)
+
+
+def segments(step: Callable, k: int, n_steps: int | None, *, has_output: bool | None = None,
+             compiled: bool = True, strict: bool = False) -> Segments:
+    """The :class:`Segments` of ``step`` for this ``(k, n_steps)``, reused across unrolls of
+    the same step (the same function, or the same object's method): its compiled code, its
+    trust checks and the step profile the planner caches for it. ``compile_time`` is reset."""
+    key = (_identity(step), k, n_steps, has_output, compiled, strict)
+    seg = _cache.get(key)
+    if seg is None:
+        seg = _cache[key] = Segments(step, k, n_steps, has_output=has_output,
+                                     compiled=compiled, strict=strict)
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+        while len(_compiled) > _CACHE_SIZE:
+            _eager_reasons.pop(first := next(iter(_compiled)), None)
+            del _compiled[first]
+    else:
+        _cache.move_to_end(key)
+    seg.compile_time = 0.0
+    return seg
+
+
+def _stack(outs: list, pad: int) -> Any:
+    def leaf(*xs: torch.Tensor) -> torch.Tensor:
+        t = torch.stack(xs)
+        if pad:
+            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+        return t
+    return pytree.tree_map(leaf, outs[0], *outs[1:])
+
+
+def _segment(step: Callable, length: int, has_output: bool, pad: int, stack: bool) -> Callable:
+    """The eager segment of ``length`` steps as a fresh function (its own code object, so
+    that each compiled segment has its own compile cache and recompile count)."""
+
+    def seg(state, deepsolve_segment_start):
+        outs = []
+        for m in range(length):
+            res = step(state, deepsolve_segment_start + m)
+            if has_output:
+                state, out = res
+                outs.append(out)
+            else:
+                state = res
+        if not has_output:
+            return state
+        if not stack:
+            return state, outs[0]
+        return state, _stack(outs, pad)
+
+    code = seg.__code__.replace(co_name=f"segment_{length}_of_{type(step).__name__}")
+    return types.FunctionType(code, seg.__globals__, code.co_name, None, seg.__closure__)
+
+
+def _leaves(x: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def _misfit(got: Any, ref: Any, length: int) -> str | None:
+    """Why a compiled result is not the eager one up to rounding (``None``: it is)."""
+    a, b = _leaves(got), _leaves(ref)
+    if len(a) != len(b):
+        return f"it returns {len(a)} tensors where the eager segment returns {len(b)}"
+    for x, y in zip(a, b, strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"it returns {tuple(x.shape)} {x.dtype} where the eager segment returns " \
+                   f"{tuple(y.shape)} {y.dtype}"
+        if not (y.is_floating_point() or y.is_complex()):
+            if not torch.equal(x, y):
+                return "an integer leaf differs from the eager segment's"
+            continue
+        if y.numel() == 0:
+            continue
+        eps = torch.finfo(y.real.dtype if y.is_complex() else y.dtype).eps
+        tol = 1000 * max(1, length) * eps
+        scale = float(y.abs().max())
+        err = float((x - y).abs().max())
+        err = err / scale if scale > 0 else err
+        if not err <= tol:
+            return f"its result differs from the eager segment's by {err:.1e} relative " \
+                   f"(rounding allows {tol:.0e})"
+    return None
+
+
+class Segments:
+    """``k`` steps of ``step`` as one step (see the module's contract).
+
+    Args:
+        step: ``step(state, i) -> state`` or ``-> (state, output)``.
+        k: steps per segment, ``>= 1``.
+        n_steps: the unroll's length (``None``: unknown, ``k`` must be 1).
+        has_output: whether the step returns ``(state, output)``; ``None``: found at the
+            first call.
+        compiled: compile the segments (``False``: the eager loop, the same contract).
+        strict: a step that draws random numbers raises :class:`CompileError` instead of
+            running eagerly with a warning.
+
+    Attributes:
+        compile_time: seconds spent in first calls (compilation and the eager check), summed
+            over the segment lengths and grad modes this instance compiled; ``0`` when the
+            compiled code came from the cache of an earlier unroll.
+        eager_reason: why the segments run eagerly (``None`` while compiled).
+    """
+
+    def __init__(self, step: Callable, k: int, n_steps: int | None, *,
+                 has_output: bool | None = None, compiled: bool = True, strict: bool = False):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"compiled segments: the segment length must be an integer >= 1, "
+                             f"got {k!r}")
+        if n_steps is None and k != 1:
+            raise ValueError("compiled segments: an unroll of unknown length (until=) runs "
+                             "one-step segments")
+        self.step = step
+        self.k = k
+        self.n_steps = n_steps
+        self.has_output = has_output
+        self.compiled = compiled
+        self.strict = strict
+        self.compile_time = 0.0
+        self.eager_reason: str | None = None
+        self._fns: dict[tuple[int, bool], Callable] = {}
+        # compiled functions per segment length, shared by the instances of this step and k
+        self._key = (_identity(step), k, strict)
+        self._compiled: dict[int, Callable] = \
+            _compiled.setdefault(self._key, {}) if compiled else {}
+        if compiled:
+            self.eager_reason = _eager_reasons.get(self._key)
+        inverse = getattr(step, "inverse", None)
+        if k == 1 and callable(inverse):
+            self.inverse = inverse
+
+    @property
+    def segments(self) -> int | None:
+        """The chain's length ``ceil(n / k)`` (``None`` for an unknown length)."""
+        return None if self.n_steps is None else segment_count(self.n_steps, self.k)
+
+    def length(self, j: int) -> int:
+        """The steps in segment ``j``."""
+        if self.n_steps is None:
+            return 1
+        return min(self.k, self.n_steps - j * self.k)
+
+    def __call__(self, state: Any, j: int) -> Any:
+        start = j * self.k
+        length = self.k if self.n_steps is None else min(self.k, self.n_steps - start)
+        fn = self._fns.get((length, torch.is_grad_enabled()))
+        if fn is None:
+            return self._first(state, start, length)
+        try:
+            return fn(state, start)
+        except Exception as e:  # a guard failure that cannot recompile: eager from now on
+            if not self.compiled or self.eager_reason is not None:
+                raise
+            res = self._eager(length)(state, start)  # the user's own error raises here
+            self._fall_back(f"a later compiled call failed: {_first_line(e)}")
+            return res
+
+    # -- first calls ------------------------------------------------------------------------
+
+    def _eager(self, length: int) -> Callable:
+        pad = self.k - length
+        return _segment(self.step, length, bool(self.has_output), pad, self.k > 1)
+
+    def _first(self, state: Any, start: int, length: int) -> Any:
+        """The first call of a segment length in a grad mode: find the output structure,
+        compile, check against the eager segment, time it all."""
+        t0 = time.perf_counter()
+        if self.has_output is None:
+            self.has_output = self._find_output(state, start)
+        grad = torch.is_grad_enabled()
+        if not self.compiled or self.eager_reason is not None or length != self.k:
+            # the remainder (fewer than k steps, the last segment) runs eagerly: a graph of
+            # its own would cost a compile for a few step evaluations per unroll
+            eager = self._eager(length)
+            self._fns[(length, grad)] = eager
+            return eager(state, start)
+        known = self._compiled.get(length)
+        if known is None:
+            checked = self._check(state, start, length)
+            if checked is None:  # fell back to eager
+                return self._first(state, start, length)
+            self._compiled[length] = known = checked  # one compiled function, both grad modes
+        try:
+            res = known(state, start)
+        except Exception as e:
+            self._fall_back(f"it does not compile with gradients: {_first_line(e)}")
+            return self._first(state, start, length)
+        self._fns[(length, grad)] = known
+        self.compile_time += time.perf_counter() - t0
+        return res
+
+    def _find_output(self, state: Any, start: int) -> bool:
+        """Whether the step returns ``(state, output)``: one eager step, RNG put back."""
+        cuda = cuda_devices(_leaves(state))
+        rng = get_rng(cuda)
+        try:
+            with torch.no_grad():
+                res = self.step(state, start)
+        finally:
+            set_rng(rng, cuda)
+        if not (isinstance(res, tuple) and len(res) == 2):
+            return False
+        return pytree.tree_structure(res[0]) == pytree.tree_structure(state) and \
+            pytree.tree_structure(state) != pytree.tree_structure(res)
+
+    def _compile(self, length: int) -> Callable:
+        _mark_index_dynamic()
+        return torch.compile(self._eager(length), fullgraph=True, dynamic=False)
+
+    def _check(self, state: Any, start: int, length: int) -> Callable | None:
+        """Run the eager segment, then the compiled one, from ``state`` under ``no_grad``;
+        the compiled function, or ``None`` (after falling back) when it cannot be trusted.
+        A segment that draws random numbers is refused before anything is compiled."""
+        cuda = cuda_devices(_leaves(state))
+        rng = get_rng(cuda)
+        with torch.no_grad():
+            try:
+                ref = self._eager(length)(state, start)
+            finally:
+                after = get_rng(cuda)
+                set_rng(rng, cuda)
+            if not _same_rng(rng, after):
+                self._fall_back("the step draws random numbers, which a compiled segment does "
+                                "not replay as the eager steps do (compile=False keeps them "
+                                "exact)", refuse=True)
+                return None
+            fn = self._compile(length)
+            try:
+                got = fn(state, start)
+            except Exception as e:
+                set_rng(rng, cuda)
+                self._fall_back(f"the compiler cannot take it whole: {_first_line(e)}")
+                return None
+            set_rng(rng, cuda)
+        why = _misfit(got, ref, length)
+        if why is not None:
+            self._fall_back(f"the compiled segment is not the eager one: {why}")
+            return None
+        return fn
+
+    def _fall_back(self, reason: str, refuse: bool = False) -> None:
+        msg = f"deepsolve: compiled segments of {_name(self.step)}: {reason}"
+        if refuse and self.strict:
+            raise CompileError(msg + "; compile='auto' runs such a step eagerly")
+        warnings.warn(msg + "; running it eagerly", RuntimeWarning, stacklevel=4)
+        self.eager_reason = reason
+        self._fns.clear()
+        self._compiled.clear()
+        _eager_reasons[self._key] = reason
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def outputs(self, stacked: Any) -> Any:
+        """The executor's ``(m, k, ...)`` stack of segment outputs as the plain loop's
+        ``(n, ...)`` stack (padding dropped)."""
+        if self.k == 1 or self.n_steps is None:
+            return stacked
+        n = self.n_steps
+        return pytree.tree_map(
+            lambda t: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])[:n], stacked)
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1],
+                                                                              strict=True))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0] if text else type(e).__name__
+    line = f"{type(e).__name__}: {line}"
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _name(step: Any) -> str:
+    fn = getattr(step, "__func__", step)
+    return getattr(fn, "__qualname__", None) or type(step).__name__
+

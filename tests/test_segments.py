@@ -1,0 +1,252 @@
+"""Compiled step segments (``unroll(..., compile=...)``, deepsolve/engine/segments.py) and the
+choice of their length (deepsolve/memory/segments.py).
+
+Float64 throughout: the compiled unroll equals plain autograd through the same compiled code
+to 1e-12 and the eager unroll to 1e-10 (relative), for every feature the executor has. The
+tests share two tiny steps so that each compiles once per process (the compiled code is
+reused across unrolls, which one test checks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from helpers import rel
+
+import deepsolve
+from deepsolve.engine.segments import CompileError, Segments, segments
+from deepsolve.memory.segments import choose_segment, segment_profile
+from deepsolve.memory.strategies import Revolve, StoreAll
+
+pytestmark = pytest.mark.timeout(600)
+
+N, DT, K = 8, 0.01, 4
+
+
+def l96(y: torch.Tensor, i: int, F: torch.Tensor) -> torch.Tensor:
+    """One Heun step of Lorenz-96 with a time-dependent forcing (the index is used)."""
+    def f(y):
+        return (torch.roll(y, -1) - torch.roll(y, 2)) * torch.roll(y, 1) - y + F * (1 + 0.01 * i)
+    k1 = f(y)
+    return y + 0.5 * DT * (k1 + f(y + DT * k1))
+
+
+@pytest.fixture(scope="module")
+def problem():
+    torch.manual_seed(0)
+    F = torch.tensor(8.0, dtype=torch.float64, requires_grad=True)
+    y0 = (8 + torch.randn(N, dtype=torch.float64)).requires_grad_()
+
+    def step(y, i):
+        return l96(y, i, F)
+
+    return step, F, y0
+
+
+def grads(out, inputs):
+    return torch.autograd.grad(out, inputs)
+
+
+def loss_of(y):
+    return (y ** 2).sum()
+
+
+def eager_grads(step, y0, F, n, **kw):
+    return grads(loss_of(deepsolve.unroll(step, y0, n, **kw)), (F, y0))
+
+
+def assert_close(a, b, tol):
+    for x, y in zip(a, b, strict=True):
+        assert rel(x, y) < tol, (rel(x, y), tol)
+
+
+@pytest.mark.parametrize("n", [16, 23])  # a multiple of k, and a remainder of 3 steps
+def test_revolve_equals_plain_autograd_through_the_same_compiled_code(problem, n):
+    step, F, y0 = problem
+    stats = deepsolve.UnrollStats()
+    g = grads(loss_of(deepsolve.unroll(step, y0, n, snapshots=3, compile=K, stats=stats)),
+              (F, y0))
+    assert stats.segment == K and stats.n_steps == -(-n // K)
+    seg = segments(step, K, n)
+    x = y0
+    for j in range(seg.segments):  # plain autograd through the very same compiled segments
+        x = seg(x, j)
+    assert seg._compiled.get(K) is not None  # it ran compiled, not eagerly
+    assert_close(g, grads(loss_of(x), (F, y0)), 1e-12)
+    assert_close(g, eager_grads(step, y0, F, n), 1e-10)
+
+
+def test_compiled_code_is_reused_across_unrolls(problem):
+    step, F, y0 = problem
+    deepsolve.unroll(step, y0, 12, snapshots=2, compile=K).sum().backward()
+    stats = deepsolve.UnrollStats()
+    deepsolve.unroll(step, y0, 12, snapshots=2, compile=K, stats=stats).sum().backward()
+    assert stats.compile_time == 0.0
+
+
+def test_two_level_and_store_all_segments(problem):
+    step, F, y0 = problem
+    n = 20
+    ref = eager_grads(step, y0, F, n)
+    two = deepsolve.TwoLevel(2, 2)
+    assert_close(eager_grads(step, y0, F, n, schedule=two, compile=K), ref, 1e-10)
+    assert_close(eager_grads(step, y0, F, n, compile=K), ref, 1e-10)
+
+
+def test_truncate_takes_a_segment_length_dividing_the_window(problem):
+    step, F, y0 = problem
+    n, window = 22, 6  # k = 4 does not divide 6: segments of 3 (a divisor) or fewer
+    stats = deepsolve.UnrollStats()
+    g = grads(loss_of(deepsolve.unroll(step, y0, n, snapshots=2, truncate=window,
+                                       compile=K, stats=stats)), F)
+    assert stats.segment == 3  # the largest divisor of the window up to k
+    e = grads(loss_of(deepsolve.unroll(step, y0, n, snapshots=2, truncate=window)), F)
+    assert_close(g, e, 1e-10)
+
+
+def test_until_hooks_and_adjoint_norms_run_single_compiled_steps(problem):
+    step, F, y0 = problem
+    seen_c, seen_e = [], []
+
+    def hook(seen):
+        def h(i, a):
+            seen.append(i)
+            return a * 0.5 if i % 3 == 0 else None
+        return h
+
+    def stop(y, i):
+        return i >= 9
+
+    sc, se = deepsolve.UnrollStats(adjoint_norms=True), deepsolve.UnrollStats(adjoint_norms=True)
+    gc = grads(loss_of(deepsolve.unroll(step, y0, until=stop, snapshots=3, compile=K,
+                                        adjoint_hook=hook(seen_c), stats=sc)), (F, y0))
+    ge = grads(loss_of(deepsolve.unroll(step, y0, until=stop, snapshots=3,
+                                        adjoint_hook=hook(seen_e), stats=se)), (F, y0))
+    assert sc.segment == 1 and sc.n_steps == 9 and seen_c == seen_e
+    assert_close(gc, ge, 1e-10)
+    assert rel(sc.adjoint_norms, se.adjoint_norms) < 1e-10
+
+
+def test_pytree_state_and_per_step_outputs_with_a_remainder():
+    torch.manual_seed(1)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+
+    def step(s, i):
+        u = torch.tanh(s["u"] @ w) + 0.1 * s["v"]
+        v = s["v"] - 0.05 * u
+        return {"u": u, "v": v}, (u.sum(), v * i)
+
+    s0 = {"u": torch.randn(2, 3, dtype=torch.float64, requires_grad=True),
+          "v": torch.randn(2, 3, dtype=torch.float64)}
+    n = 11  # segments of 4, 4 and 3 steps
+
+    def run(**kw):
+        x, (a, b) = deepsolve.unroll(step, s0, n, snapshots=2, **kw)
+        assert a.shape == (n,) and b.shape == (n, 2, 3)
+        return (x["u"] ** 2).sum() + (a * torch.arange(n)).sum() + b.pow(2).sum()
+
+    g = grads(run(compile=4), (w, s0["u"]))
+    assert_close(g, grads(run(), (w, s0["u"])), 1e-10)
+
+
+def test_randomness_is_refused_or_run_eagerly():
+    w = torch.ones(4, dtype=torch.float64, requires_grad=True)
+
+    def noisy(y, i):
+        return y + 0.1 * w * torch.randn(4, dtype=torch.float64)
+
+    y0 = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(CompileError, match="draws random numbers"):
+        deepsolve.unroll(noisy, y0, 8, snapshots=2, compile=4)
+    torch.manual_seed(3)
+    with pytest.warns(RuntimeWarning, match="random numbers"):
+        seg = Segments(noisy, 4, 8, strict=False)
+        g = torch.autograd.grad(deepsolve.unroll(seg, y0, 2, snapshots=2).sum(), w)[0]
+    torch.manual_seed(3)
+    assert_close([g], [torch.autograd.grad(deepsolve.unroll(noisy, y0, 8).sum(), w)[0]], 1e-12)
+
+
+def test_a_graph_break_runs_eagerly_with_one_warning_line():
+    w = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+
+    def branchy(y, i):
+        if float(y.sum()) > 0:  # data-dependent Python control flow
+            return y * w
+        return y - w
+
+    y0 = torch.ones(3, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        g = torch.autograd.grad(
+            deepsolve.unroll(branchy, y0, 6, snapshots=2, compile=2).sum(), w)[0]
+    msgs = [str(x.message) for x in got if issubclass(x.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "eagerly" in msgs[0], msgs
+    assert_close([g], [torch.autograd.grad(deepsolve.unroll(branchy, y0, 6).sum(), w)[0]],
+                 1e-12)
+
+
+def test_budget_plans_the_compiled_segment(problem):
+    step, F, y0 = problem
+    stats = deepsolve.UnrollStats()
+    g = grads(loss_of(deepsolve.unroll(step, y0, 40, budget="40KiB", compile=True,
+                                       stats=stats)), (F, y0))
+    plan = stats.extra["plan"]
+    assert plan.segment is not None and plan.segment.k == stats.segment
+    assert plan.predicted_peak <= plan.budget
+    assert f"compiled segments of {stats.segment}" in stats.explain()
+    assert_close(g, eager_grads(step, y0, F, 40), 1e-10)
+
+
+def test_bad_compile_arguments_are_one_line_errors(problem):
+    step, _, y0 = problem
+    for bad in ("yes", 0, -2, 1.5):
+        with pytest.raises(ValueError, match="compile must be"):
+            deepsolve.unroll(step, y0, 4, compile=bad)
+    with pytest.raises(ValueError, match="compile_runs"):
+        deepsolve.unroll(step, y0, 4, compile="auto", compile_runs=0)
+
+
+# -- the model (no compilation) -------------------------------------------------------------
+
+def _profile(t_adv: float) -> deepsolve.memory.StepProfile:
+    return deepsolve.memory.StepProfile(
+        state_bytes=320, tape_bytes=2000, output_bytes=0, grad_bytes=8, scratch_bytes=0,
+        t_advance=t_adv, t_record=1.5 * t_adv, t_backward=2 * t_adv, device="cpu",
+        kept_bytes=2000, reverse_bytes=3000, advance_bytes=1000, chain_bytes=2000)
+
+
+def _revolve_time(p, m):
+    return Revolve(min(8, m)).predicted_time(p, m), True
+
+
+def test_model_compiles_dispatch_bound_steps_and_not_arithmetic_bound_ones():
+    d = 2e-6
+    dispatch_bound = _profile(40 * d)  # 40 ops of pure dispatch per step
+    arithmetic_bound = _profile(0.05)  # 50 ms of arithmetic per step
+    c = choose_segment(dispatch_bound, 4000, 40, d, mode=True, time_of=_revolve_time)
+    assert c.k > 1 and c.compiled_time < c.eager_time
+    auto_short = choose_segment(dispatch_bound, 100, 40, d, mode="auto", time_of=_revolve_time)
+    assert auto_short.k == 0 and "not repaid" in auto_short.reason
+    auto_long = choose_segment(dispatch_bound, 4000, 40, d, mode="auto", runs=10_000,
+                               time_of=_revolve_time)
+    assert auto_long.k > 1
+    auto_arith = choose_segment(arithmetic_bound, 4000, 40, d, mode="auto", runs=100,
+                                time_of=lambda p, m: (StoreAll().predicted_time(p, m), True))
+    assert auto_arith.k == 0
+
+
+def test_model_counts_k_tapes_against_the_budget():
+    p = _profile(1e-4)
+    for k in (1, 4, 16):
+        q = segment_profile(p, k, 40, 2e-6)
+        assert q.tape_bytes == k * p.tape_bytes and q.state_bytes == p.state_bytes
+
+    def tight(prof, m):  # fits only while a segment's tape is at most 4 steps'
+        return 1.0, prof.tape_bytes <= 4 * p.tape_bytes
+
+    c = choose_segment(p, 4000, 40, 2e-6, mode=True, time_of=tight)
+    assert 1 <= c.k <= 4
+    assert all(fits == (k <= 4) for k, _, _, fits in c.table)
+    assert dataclasses.replace(p).tape_bytes == p.tape_bytes
