@@ -46,7 +46,7 @@ from .memory.strategies import Reversible
 from .unroll import unroll
 
 __all__ = ["Problem", "Context", "load_problem", "ProblemError", "TRAINER_DEFAULTS",
-           "check_settings"]
+           "check_settings", "parse_compile"]
 
 
 class ProblemError(ValueError):
@@ -79,6 +79,9 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "dist_timeout": 600.0,   # seconds a rank waits for the others before it stops with an error
     "tensorboard": "",       # mirror the log's scalars to TensorBoard in this directory
                              # ("" = off; relative: inside the run directory)
+    "compile": "auto",       # compiled step segments (docs/compile.md): auto = when the
+                             # model says the compile time is repaid within the run's
+                             # iterations; on, off, or a segment length k
 }
 
 
@@ -130,6 +133,7 @@ def check_settings(cfg: Mapping[str, Any]) -> None:
     seed = cfg.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"setting seed={seed!r} is not an integer")
+    parse_compile(cfg.get("compile", False))
 
 
 class Context:
@@ -200,6 +204,10 @@ class Context:
                 kw["budget"] = self.budget
             elif self.cfg.snapshots:
                 kw["snapshots"] = int(self.cfg.snapshots)
+        mode = parse_compile(getattr(self.cfg, "compile", False))
+        if mode is not False and "compile" not in kw:
+            kw["compile"] = mode  # compile time spread over the run's iterations
+            kw.setdefault("compile_runs", max(1, int(getattr(self.cfg, "iterations", 1) or 1)))
         fn = step
         if hasattr(step, "__self__") and isinstance(step.__self__, Problem):
             method = cast(MethodType, step)  # a method bound to a Problem
@@ -357,6 +365,23 @@ def load_problem(path: str | os.PathLike) -> tuple[Problem, str]:
         raise ProblemError(f"{path}: `problem` is a {type(prob).__name__}, not an instance "
                            "of deepsolve.Problem")
     return prob, digest
+
+
+def parse_compile(value: Any) -> bool | int | str:
+    """The ``compile`` setting as ``unroll``'s ``compile=``: ``"auto"``, ``True`` (``on``,
+    ``true``), ``False`` (``off``, ``false``, ``""``) or a segment length ``k >= 1``; one line
+    otherwise."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value >= 1:
+        return value
+    text = str(value).strip().lower()
+    if text in ("auto", "on", "true", "off", "false", ""):
+        return "auto" if text == "auto" else text in ("on", "true")
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"setting compile={value!r}: use auto, on, off or a segment length k >= 1 "
+                     "(--set compile=auto)")
 
 
 def coerce(key: str, text: str, default: Any) -> Any:

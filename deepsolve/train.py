@@ -1413,6 +1413,7 @@ def _iteration(problem, ctx, model, params, optimizer, scheduler, weights, it, c
     row["recorded"] = sum(s.recorded for s in stats)
     row["snapshots"] = max((s.snapshots_peak for s in stats), default=0)
     row["schedule"] = stats[0].schedule if stats else ""
+    row["compile_time"] = float(sum(s.compile_time for s in stats))
     row["lr"] = float(optimizer.param_groups[0]["lr"])
     row["grad_norm"] = grad_norm
     return row, loss

@@ -17,7 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .engine import HostStorage, UnrollStats, check_truncate, execute
-from .engine.segments import Segments, segments
+from .engine.segments import Segments, segments, step_identity
 from .memory import BudgetError, device_capacity, format_bytes
 from .memory.agree import agree_min, agree_profile
 from .memory.budget import parse_budget
@@ -25,7 +25,7 @@ from .memory.offload import DiskStorage
 from .memory.planner import choose, online_snapshots
 from .memory.planner import plan as make_plan
 from .memory.profiling import profile_step
-from .memory.segments import SegmentChoice, choose_segment, dispatch_cost
+from .memory.segments import HORIZON, SEGMENT_LENGTHS, SegmentChoice, choose_segment, dispatch_cost
 from .memory.strategies import Budget, Online, Reversible, StoreAll, Strategy, as_strategy
 from .schedules import Schedule, online, revolve, store_all
 
@@ -57,8 +57,8 @@ def unroll(
     snapshot_dtype: torch.dtype | None = None,
     adjoint_hook: Callable[[int, Any], Any] | None = None,
     truncate: int | None = None,
-    compile: bool | int | str = False,
-    compile_runs: int = 1,
+    compile: bool | int | str | None = False,
+    compile_runs: int | None = None,
 ) -> Any:
     """Run ``x_{i+1} = step(x_i, i)`` for ``n_steps`` steps with checkpointed, exact gradients.
 
@@ -148,19 +148,26 @@ def unroll(
             cost one more unrecorded forward sweep.
         compile: run ``k`` consecutive steps as one compiled graph (``torch.compile``, the
             loop unrolled; docs/compile.md): ``True`` — compile, the segment length ``k``
-            chosen by the model of :mod:`deepsolve.memory.segments` (per-call overhead,
-            dispatch saved, tape ``k`` times a step's under ``budget=``, compile time); an
-            integer ``k`` — that length; ``"auto"`` — compile only when the model says the
-            compile time is repaid within ``compile_runs`` unrolls, eager otherwise;
-            ``False`` (default) — eager steps. The strategy then checkpoints the chain of
-            ``ceil(n / k)`` segments (``truncate=`` takes a ``k`` that divides it). A step
-            the compiler cannot take whole, whose compiled result differs from the eager one,
-            or that draws random numbers raises a one-line error (``"auto"``: warns and runs
-            eagerly). ``until=``, ``adjoint_hook=``, adjoint norms and a reversible strategy
-            see every state, so they run compiled single steps. Gradients are those of the
-            compiled forward (equal to the eager ones up to rounding).
+            the fastest by the model of :mod:`deepsolve.memory.segments` over
+            ``compile_runs`` unrolls, compile time included (per-call overhead, dispatch
+            saved, a segment's tape ``k`` steps' under ``budget=``); an integer
+            ``k`` — that length; ``"auto"`` — compile only when the model says the compile
+            time is repaid (over ``compile_runs`` unrolls; without it, once the unrolls of
+            this step so far would have repaid it: a training loop compiles after a few
+            iterations, a single call stays eager); ``False`` (default) — eager steps, or
+            what the strategy's ``compile`` field says; ``None`` — eager steps. The
+            strategy then checkpoints the chain of ``ceil(n / k)`` segments (``truncate=``
+            takes a ``k`` that divides it). A step the compiler cannot take whole or whose
+            compiled result differs from the eager one runs eagerly with one warning line; a
+            step that draws random numbers is refused with a one-line error (``"auto"``:
+            the warning). ``until=``, ``adjoint_hook=``, adjoint norms, a schedule object and
+            a reversible strategy see every state: they run compiled single steps. Gradients
+            are those of the compiled forward (the eager ones up to rounding). A strategy's
+            ``compile`` field (``Revolve(8).compiled()``, ``Budget("1GiB", compile=True)``)
+            gives the same when this argument is not set.
         compile_runs: how many unrolls of this step the compile time is spread over (a
-            training run's iterations), for ``compile=True`` and ``"auto"``.
+            training run's iterations), for ``compile="auto"`` and ``True`` (which then
+            assumes 20).
 
     Returns:
         ``x_n``, or ``(x_n, outputs)`` where ``outputs`` stacks the per-step outputs along a
@@ -174,6 +181,8 @@ def unroll(
         RuntimeError: the step modified its input state in place (found at step 0).
     """
     _check_step(step)
+    if compile is False:  # the strategy's field (None: eager whatever it says)
+        compile = getattr(schedule, "compile", False) or getattr(budget, "compile", False)
     if compile is not False and compile is not None:
         done = _segmented(step, state, n_steps, compile, compile_runs, until=until,
                           max_steps=max_steps, snapshots=snapshots, schedule=schedule,
@@ -248,22 +257,24 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
     ``k`` from :func:`deepsolve.memory.segments.choose_segment`; :data:`_EAGER` when the
     model says eager (``compile="auto"``)."""
     mode = _compile_mode(compile)
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+    if runs is not None and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
         raise ValueError(f"unroll: compile_runs must be an integer >= 1, got {runs!r}")
     how: Any = kw["schedule"]
     single = (until is not None or kw["adjoint_hook"] is not None
               or (stats is not None and stats.adjoint_norms is not False)
-              or isinstance(how, Schedule) or n_steps is None
-              or getattr(how, "kind", None) == "reversible")
+              or isinstance(how, Schedule) or getattr(how, "kind", None) == "reversible")
     choice = None
-    if isinstance(mode, int) and mode is not True:
+    if mode is not True and isinstance(mode, int):
         k = 1 if single else mode
-    elif single:
-        k = 1
-    elif n_steps == 0 or not torch.is_grad_enabled():
-        k = 1 if mode is True else 0
+    elif n_steps is None or n_steps == 0 or not torch.is_grad_enabled():
+        k = 1 if mode is True else 0  # no chain to model: "auto" stays eager
     else:
-        choice = _choose_k(step, state, n_steps, mode, runs, kw)
+        if runs is None and mode == "auto":  # the unrolls of this step so far, this one too
+            runs = _auto_calls[step_identity(step)] = _auto_calls.get(step_identity(step), 0) + 1
+            while len(_auto_calls) > 64:
+                del _auto_calls[next(iter(_auto_calls))]
+        choice = _choose_k(step, state, n_steps, mode, runs or HORIZON, kw,
+                           (1,) if single else SEGMENT_LENGTHS)
         k = choice.k
     if k == 0:
         if stats is not None and choice is not None:
@@ -280,7 +291,8 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
     if stats is not None and choice is not None:
         stats.extra["compile"] = choice
     res = unroll(seg, state, m, until=until, truncate=None if truncate is None else
-                 truncate // k, stats=stats, **{**kw, "has_output": seg.has_output})
+                 truncate // k, stats=stats, compile=None,
+                 **{**kw, "has_output": seg.has_output})
     if stats is not None:
         stats.segment = k
         stats.compile_time += seg.compile_time
@@ -310,7 +322,11 @@ def _warm(seg: Segments, state: Any) -> None:
                             allow_unused=True)
 
 
-def _choose_k(step, state, n_steps: int, mode, runs: int, kw) -> SegmentChoice:
+_auto_calls: dict[Any, int] = {}  # compile="auto" without compile_runs: unrolls per step
+
+
+def _choose_k(step, state, n_steps: int, mode, runs: int, kw,
+              lengths: tuple[int, ...]) -> SegmentChoice:
     """The segment length by the model, for the strategy or budget asked for."""
     how = as_strategy(kw["schedule"], kw["snapshots"], kw["budget"], kw["offload"],
                       kw["spill_dir"])
@@ -326,11 +342,12 @@ def _choose_k(step, state, n_steps: int, mode, runs: int, kw) -> SegmentChoice:
             except BudgetError:
                 return float("inf"), False
     else:
-        strategy = cast(Strategy, how)
+        strategy = how if isinstance(how, Strategy) else StoreAll()  # a schedule object: 1.0
 
         def time_of(p, m):
             return strategy.predicted_time(p, m), True
-    return choose_segment(prof, n_steps, q, d, mode=mode, runs=runs, time_of=time_of)
+    return choose_segment(prof, n_steps, q, d, mode=mode, runs=runs, time_of=time_of,
+                          lengths=lengths)
 
 
 def _reversal(how: Any, step: Any, sched: Schedule | None = None) -> dict[str, Any]:

@@ -225,8 +225,11 @@ def test_model_compiles_dispatch_bound_steps_and_not_arithmetic_bound_ones():
     d = 2e-6
     dispatch_bound = _profile(40 * d)  # 40 ops of pure dispatch per step
     arithmetic_bound = _profile(0.05)  # 50 ms of arithmetic per step
-    c = choose_segment(dispatch_bound, 4000, 40, d, mode=True, time_of=_revolve_time)
+    c = choose_segment(dispatch_bound, 4000, 40, d, mode=True, runs=10_000,
+                       time_of=_revolve_time)
     assert c.k > 1 and c.compiled_time < c.eager_time
+    once = choose_segment(dispatch_bound, 4000, 40, d, mode=True, runs=1, time_of=_revolve_time)
+    assert once.k < c.k  # a single unroll does not repay a long segment's compile
     auto_short = choose_segment(dispatch_bound, 100, 40, d, mode="auto", time_of=_revolve_time)
     assert auto_short.k == 0 and "not repaid" in auto_short.reason
     auto_long = choose_segment(dispatch_bound, 4000, 40, d, mode="auto", runs=10_000,
@@ -250,3 +253,20 @@ def test_model_counts_k_tapes_against_the_budget():
     assert 1 <= c.k <= 4
     assert all(fits == (k <= 4) for k, _, _, fits in c.table)
     assert dataclasses.replace(p).tape_bytes == p.tape_bytes
+
+
+def test_a_strategy_carries_compile_and_auto_compiles_once_it_pays(problem):
+    step, F, y0 = problem
+    stats = deepsolve.UnrollStats()
+    g = grads(loss_of(deepsolve.unroll(step, y0, 16, schedule=Revolve(3).compiled(K),
+                                       stats=stats)), (F, y0))
+    assert stats.segment == K
+    assert_close(g, eager_grads(step, y0, F, 16), 1e-10)
+    assert deepsolve.Budget("1MiB", compile="auto").compile == "auto"
+    s1 = deepsolve.UnrollStats()
+    deepsolve.unroll(step, y0, 16, snapshots=3, compile="auto", stats=s1).sum().backward()
+    assert s1.segment == 1 and s1.extra["compile"].k == 0  # one short unroll: not repaid
+    s2 = deepsolve.UnrollStats()
+    deepsolve.unroll(step, y0, 8, snapshots=3, compile="auto", compile_runs=10**7,
+                     stats=s2).sum().backward()
+    assert s2.segment > 1 and s2.extra["compile"].k == s2.segment

@@ -16,13 +16,15 @@ recorded segment is one compiled forward and one compiled backward (AOTAutograd)
 gradient is the exact gradient of the compiled forward.
 
 Compilation (``torch.compile(fullgraph=True)``, the loop over the ``k`` steps unrolled by
-the compiler) happens at the first call of each segment length and grad mode; the segment's
+the compiler; on CUDA under CUDA graphs, one launch per segment) happens at the first call
+of each segment length and grad mode; the segment's
 start index is a dynamic integer (``torch.compiler.config.dynamic_sources`` names it), so
 the step index does not recompile per segment. Compiled code is cached per step (the same
 function, the same bound method's object and function) and reused across unrolls.
 
 Trust. At the first call of each segment length the compiled segment runs beside the eager
-one from the same state under ``no_grad``: a step the compiler cannot take whole (a graph
+one from the same state, its result and its vector-Jacobian product for a fixed cotangent
+compared: a step the compiler cannot take whole (a graph
 break, data-dependent Python control flow, a recompile storm, no C++ compiler) or whose
 compiled result differs from the eager one beyond rounding runs eagerly from then on, with
 one warning line naming the reason. A segment that draws random numbers (compiled random
@@ -51,7 +53,7 @@ from torch.utils import _pytree as pytree
 
 from .replay import cuda_devices, get_rng, set_rng
 
-__all__ = ["Segments", "segments", "CompileError", "INDEX", "segment_count"]
+__all__ = ["Segments", "segments", "CompileError", "INDEX", "segment_count", "step_identity"]
 
 #: the name of a segment's start index inside the compiled function: marked dynamic
 INDEX = "deepsolve_segment_start"
@@ -79,7 +81,7 @@ def _mark_index_dynamic() -> None:
         cfg.dynamic_sources = ",".join([*have, entry])
 
 
-def _identity(step: Any) -> Any:
+def step_identity(step: Any) -> Any:
     """What stays the same for the same step across calls: a bound method is new at every
     attribute access, its object and function are not."""
     if isinstance(step, types.MethodType):
@@ -92,7 +94,7 @@ def segments(step: Callable, k: int, n_steps: int | None, *, has_output: bool | 
     """The :class:`Segments` of ``step`` for this ``(k, n_steps)``, reused across unrolls of
     the same step (the same function, or the same object's method): its compiled code, its
     trust checks and the step profile the planner caches for it. ``compile_time`` is reset."""
-    key = (_identity(step), k, n_steps, has_output, compiled, strict)
+    key = (step_identity(step), k, n_steps, has_output, compiled, strict)
     seg = _cache.get(key)
     if seg is None:
         seg = _cache[key] = Segments(step, k, n_steps, has_output=has_output,
@@ -138,6 +140,10 @@ def _segment(step: Callable, length: int, has_output: bool, pad: int, stack: boo
 
     code = seg.__code__.replace(co_name=f"segment_{length}_of_{type(step).__name__}")
     return types.FunctionType(code, seg.__globals__, code.co_name, None, seg.__closure__)
+
+
+def _floating(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
 
 
 def _leaves(x: Any) -> list[torch.Tensor]:
@@ -208,7 +214,7 @@ class Segments:
         self.eager_reason: str | None = None
         self._fns: dict[tuple[int, bool], Callable] = {}
         # compiled functions per segment length, shared by the instances of this step and k
-        self._key = (_identity(step), k, strict)
+        self._key = (step_identity(step), k, strict)
         self._compiled: dict[int, Callable] = \
             _compiled.setdefault(self._key, {}) if compiled else {}
         if compiled:
@@ -291,9 +297,21 @@ class Segments:
         return pytree.tree_structure(res[0]) == pytree.tree_structure(state) and \
             pytree.tree_structure(state) != pytree.tree_structure(res)
 
-    def _compile(self, length: int) -> Callable:
+    def _compile(self, length: int, cuda: bool = False) -> Callable:
+        """``torch.compile`` of the ``length``-step segment; on CUDA under CUDA graphs
+        (``mode="reduce-overhead"``: one graph launch per segment), its outputs copied out of
+        the graph's memory, which the next replay overwrites."""
         _mark_index_dynamic()
-        return torch.compile(self._eager(length), fullgraph=True, dynamic=False)
+        if not cuda:
+            return torch.compile(self._eager(length), fullgraph=True, dynamic=False)
+        graphed = torch.compile(self._eager(length), fullgraph=True, dynamic=False,
+                                mode="reduce-overhead")
+
+        def replay(state, start):
+            torch.compiler.cudagraph_mark_step_begin()
+            return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                                   graphed(state, start))
+        return replay
 
     def _check(self, state: Any, start: int, length: int) -> Callable | None:
         """Run the eager segment, then the compiled one, from ``state`` under ``no_grad``;
@@ -312,7 +330,7 @@ class Segments:
                                 "not replay as the eager steps do (compile=False keeps them "
                                 "exact)", refuse=True)
                 return None
-            fn = self._compile(length)
+            fn = self._compile(length, bool(cuda))
             try:
                 got = fn(state, start)
             except Exception as e:
@@ -320,11 +338,34 @@ class Segments:
                 self._fall_back(f"the compiler cannot take it whole: {_first_line(e)}")
                 return None
             set_rng(rng, cuda)
-        why = _misfit(got, ref, length)
+        why = _misfit(got, ref, length) or self._grad_misfit(fn, state, start, length)
         if why is not None:
             self._fall_back(f"the compiled segment is not the eager one: {why}")
             return None
         return fn
+
+    def _grad_misfit(self, fn: Callable, state: Any, start: int, length: int) -> str | None:
+        """Why the compiled segment's vector-Jacobian product with respect to its input
+        state differs from the eager one's (``None``: it does not), for a fixed cotangent."""
+        x = pytree.tree_map(lambda t: t.detach().requires_grad_(_floating(t))
+                            if isinstance(t, torch.Tensor) else t, state)
+        ins = [t for t in _leaves(x) if t.requires_grad]
+        if not ins:
+            return None
+        with torch.enable_grad():
+            res = [fn(x, start), self._eager(length)(x, start)]
+        vjps = []
+        for out in res:
+            outs = [t for t in _leaves(out) if t.requires_grad]
+            if not outs:
+                return None
+            cot = [torch.cos(torch.arange(t.numel(), device=t.device, dtype=torch.float64))
+                   .to(t.dtype).reshape(t.shape) for t in outs]
+            g = torch.autograd.grad(outs, ins, cot, allow_unused=True)
+            vjps.append([torch.zeros_like(a) if b is None else b for a, b in zip(ins, g,
+                                                                                  strict=True)])
+        why = _misfit(vjps[0], vjps[1], length)
+        return None if why is None else f"its gradient: {why}"
 
     def _fall_back(self, reason: str, refuse: bool = False) -> None:
         msg = f"deepsolve: compiled segments of {_name(self.step)}: {reason}"

@@ -21,12 +21,12 @@ Under a budget the tape of a segment is ``k`` tapes, so ``s`` shrinks as ``k`` g
 ``k`` is planned with the segment's modelled profile, and the plan that runs is made from
 the *measured* profile of the compiled segment, so the budget keeps its promise.
 
-The choice: ``compile=True`` takes the ``k`` in ``1, 2, 4, ..., 64`` with the least ``T(k)``
-(the shortest within 5 % of it: less to compile); ``compile="auto"`` the ``k`` with the least
-``runs T(k) + C(k)``, compiled only when that beats ``runs T_eager`` by 10 % (``runs``: how
-many unrolls of this step the compile time is spread over — the trainer passes its
-iterations), so a short run, or a step whose time is arithmetic rather than dispatch, stays
-eager.
+The choice: the ``k`` in ``1, 2, 4, ..., 64`` with the least ``runs T(k) + C(k)`` (``runs``:
+how many unrolls of this step the compile time is spread over — the trainer passes its
+iterations; ``compile=True`` without ``compile_runs`` assumes :data:`HORIZON` = 20), so a
+longer run affords a longer segment. ``compile="auto"`` compiles only when that beats
+``runs T_eager`` by 10 %, so a short run, or a step whose time is arithmetic rather than
+dispatch, stays eager.
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .profiling import StepProfile
 
 __all__ = ["SegmentChoice", "choose_segment", "dispatch_cost", "segment_profile",
-           "SEGMENT_LENGTHS", "MODEL"]
+           "SEGMENT_LENGTHS", "MODEL", "HORIZON"]
+
+#: unrolls the compile time is spread over by ``compile=True`` without ``compile_runs``
+HORIZON = 20
 
 #: segment lengths weighed
 SEGMENT_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -167,19 +170,15 @@ def choose_segment(p: StepProfile, n_steps: int, q: int, d: float, *, mode: Any 
     if not ok:
         return SegmentChoice(0, "no segment length fits: eager steps", eager, runs=runs,
                              table=table)
-    if mode == "auto":
-        best = min((runs * t + c, k, t, c) for k, t, c, _ in ok)
-    else:
-        fastest = min(t for _, t, _, _ in ok)
-        best = next((runs * t + c, k, t, c) for k, t, c, _ in ok if t <= 1.05 * fastest)
+    best = min((runs * t + c, k, t, c) for k, t, c, _ in ok)
     total, k, t, c = best
     choice = SegmentChoice(k, "", eager, t, c, runs, table)
     gain = runs * eager / total if total > 0 else 1.0
     if mode == "auto" and total > MODEL["margin"] * runs * eager:
         choice.k = 0
-        choice.reason = (f"eager: compiling (best k = {k}) would cost {c:.0f} s to save "
-                         f"{max(runs * (eager - t), 0):.2g} s over {runs} unroll(s) — not "
-                         "repaid")
+        choice.reason = (f"eager: compiling (best k = {k}) would save "
+                         f"{max(runs * (eager - t), 0):.2g} s over {runs} unroll(s) for "
+                         f"{c:.0f} s of compile — not repaid with the 10 % margin")
         return choice
     choice.reason = (f"k = {k} steps per segment: predicted {t:.3g} s per unroll against "
                      f"{eager:.3g} s eager, {c:.0f} s to compile (cold cache), {gain:.2f}x "

@@ -37,6 +37,7 @@ at ``t_inverse`` (measured by the planner; ``t_advance`` when not).
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 from .. import schedules as S
@@ -70,6 +71,17 @@ class Strategy:
     #: whether :meth:`build` needs the chain length (False: an online strategy, ``until=``)
     offline: ClassVar[bool] = True
     policy: Any = None
+    #: compiled segments for the unrolls of this strategy (``unroll``'s ``compile=``:
+    #: ``True``, a segment length, ``"auto"``); ``False``: eager steps. Set by
+    #: :meth:`compiled`, or ``Budget(..., compile=)``.
+    compile: Any = False
+
+    def compiled(self, compile: bool | int | str = True) -> Strategy:
+        """This strategy with compiled segments (docs/compile.md): ``Revolve(8).compiled()``
+        checkpoints a chain of compiled ``k``-step segments with 8 snapshots."""
+        new = copy.copy(self)
+        new.compile = compile
+        return new
 
     def build(self, n_steps: int) -> S.Schedule:
         raise NotImplementedError
@@ -428,7 +440,8 @@ class Budget(Strategy):
     kind = "budget"
 
     def __init__(self, budget: int | str, offload: str | None = None,
-                 spill_dir: str | None = None, group: Any = None):
+                 spill_dir: str | None = None, group: Any = None,
+                 compile: bool | int | str = False):
         parse_budget(budget, "cpu" if isinstance(budget, str) and budget.strip().endswith("%")
                      else None)
         if offload not in (None, "host", "disk"):
@@ -440,6 +453,8 @@ class Budget(Strategy):
         self.offload = offload
         self.spill_dir = spill_dir
         self.group = group
+        if compile is not False:
+            self.compile = compile
 
     def build(self, n_steps: int) -> S.Schedule:
         raise TypeError("Budget: the planner builds the schedule from a profile of the step; "
