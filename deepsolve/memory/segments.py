@@ -38,8 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..engine import cuda_devices, get_rng, set_rng
 from .profiling import StepProfile
 
 __all__ = ["SegmentChoice", "choose_segment", "dispatch_cost", "segment_profile",
@@ -103,13 +105,19 @@ _dispatch: dict[Any, tuple[int, float]] = {}
 
 def dispatch_cost(step: Callable, state: Any) -> tuple[int, float]:
     """``(q, d)``: the operations one unrecorded step dispatches and the seconds one
-    dispatch of a tiny operation costs here (cached per step)."""
+    dispatch of a tiny operation costs here (cached per step; the random generators are
+    left as they were)."""
     key = (getattr(step, "__func__", step), id(getattr(step, "__self__", None)))
     if key in _dispatch:
         return _dispatch[key]
     count = _Count()
-    with torch.no_grad(), count:
-        step(state, 0)
+    cuda = cuda_devices([t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)])
+    rng = get_rng(cuda)  # a stochastic step's stream is left where it was
+    try:
+        with torch.no_grad(), count:
+            step(state, 0)
+    finally:
+        set_rng(rng, cuda)
     x = torch.zeros(1)
     best = float("inf")
     for _ in range(3):
