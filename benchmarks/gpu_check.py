@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py                       # CUDA, 256x256, T = 10^4
     python benchmarks/gpu_check.py --device cpu --small  # the same sweep, tiny, on the CPU
+    python benchmarks/gpu_check.py --compile             # each budget eager and compiled
 
 Self-contained: a 2D Navier–Stokes step (deepsolve.physics, pseudo-spectral RK4) with a small
 periodic CNN closure. For budgets from 1% to 100% of the predicted store-all peak it runs
@@ -56,6 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--fractions", type=float, nargs="*",
                     default=[0.01, 0.03, 0.1, 0.3, 0.6, 1.0])
+    ap.add_argument("--compile", action="store_true",
+                    help="each budget also with compile=True (CUDA graphs on CUDA): its "
+                         "segment length, time against the eager row, real peak")
     args = ap.parse_args(argv)
     if args.small:
         args.n = 32
@@ -85,32 +89,54 @@ def main(argv=None) -> int:
     failed = 0
     for f in args.fractions:
         budget = int(max(f * full, 1.05 * least))  # a fraction of store-all, at least the minimum
-        st = deepsolve.UnrollStats()
-        w = w0.detach().clone().requires_grad_()
-        try:
-            t0 = time.perf_counter()
-            with MemoryMeter(dev, stats=st) as m:
-                y = deepsolve.unroll(step, w, args.steps, budget=budget, stats=st)
-                (y**2).mean().backward()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            wall = time.perf_counter() - t0
-        except deepsolve.BudgetError as e:
-            print(f"| {budget / 2**20:.0f} MiB | BudgetError: {e} | | | | | | |")
-            continue
-        # the real peak: CUDA's allocator peak, or the process's RSS high-water mark above its
-        # resident size on entry (allowed 1.05 x budget + 8 MiB for pages and heap slack)
-        measured = m.cuda_peak if dev.type == "cuda" else m.host_peak
-        ok = measured <= (budget if dev.type == "cuda" else 1.05 * budget + 8 * 2**20)
-        failed += not ok
-        p = st.extra["plan"]
-        print(f"| {budget / 2**20:.1f} MiB ({budget / full:.0%}) | {p.describe()} | "
-              f"{p.predicted_peak / 2**20:.1f} MiB | {measured / 2**20:.1f} MiB | "
-              f"{measured / budget:.3f} | {m.tracked_peak / 2**20:.1f} MiB | {wall:.1f} | "
-              f"{'ok' if ok else 'FAIL'} |")
-        del y, w
-        closure.zero_grad(set_to_none=True)
+        eager_wall = None
+        for compiled in ((False, True) if args.compile else (False,)):
+            row = _row(step, w0, closure, args.steps, budget, full, dev, compiled, eager_wall)
+            if row is None:
+                break
+            ok, wall = row
+            failed += not ok
+            eager_wall = wall
     return 1 if failed else 0
+
+
+def _row(step, w0, closure, steps: int, budget: int, full: int, dev, compiled: bool,
+         eager_wall: float | None):
+    """One budget row (eager, or compile=True beside the eager row's time): ``(ok, wall)``,
+    ``None`` when the budget is below the minimum."""
+    st = deepsolve.UnrollStats()
+    w = w0.detach().clone().requires_grad_()
+    kw = {"compile": True} if compiled else {}
+    if compiled:  # compile outside the measured row (the first call), then measure
+        y = deepsolve.unroll(step, w, steps, budget=budget, **kw)
+        (y**2).mean().backward()
+        closure.zero_grad(set_to_none=True)
+        del y
+    try:
+        t0 = time.perf_counter()
+        with MemoryMeter(dev, stats=st) as m:
+            y = deepsolve.unroll(step, w, steps, budget=budget, stats=st, **kw)
+            (y**2).mean().backward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        wall = time.perf_counter() - t0
+    except deepsolve.BudgetError as e:
+        print(f"| {budget / 2**20:.0f} MiB | BudgetError: {e} | | | | | | |")
+        return None
+    # the real peak: CUDA's allocator peak, or the process's RSS high-water mark above its
+    # resident size on entry (allowed 1.05 x budget + 8 MiB for pages and heap slack)
+    measured = m.cuda_peak if dev.type == "cuda" else m.host_peak
+    ok = measured <= (budget if dev.type == "cuda" else 1.05 * budget + 8 * 2**20)
+    p = st.extra["plan"]
+    name = p.describe() + (f", compiled k = {st.segment} ({wall / eager_wall:.2f}x eager)"
+                           if compiled and eager_wall else "")
+    print(f"| {budget / 2**20:.1f} MiB ({budget / full:.0%}) | {name} | "
+          f"{p.predicted_peak / 2**20:.1f} MiB | {measured / 2**20:.1f} MiB | "
+          f"{measured / budget:.3f} | {m.tracked_peak / 2**20:.1f} MiB | {wall:.1f} | "
+          f"{'ok' if ok else 'FAIL'} |")
+    del y, w
+    closure.zero_grad(set_to_none=True)
+    return ok, wall
 
 
 if __name__ == "__main__":

@@ -25,7 +25,16 @@ from .memory.offload import DiskStorage
 from .memory.planner import choose, online_snapshots
 from .memory.planner import plan as make_plan
 from .memory.profiling import profile_step
-from .memory.segments import HORIZON, SEGMENT_LENGTHS, SegmentChoice, choose_segment, dispatch_cost
+from .memory.segments import (
+    COMPILER_ESTIMATE,
+    HORIZON,
+    SEGMENT_LENGTHS,
+    SegmentChoice,
+    choose_segment,
+    compiler_memory,
+    dispatch_cost,
+    measure_compiler,
+)
 from .memory.strategies import Budget, Online, Reversible, StoreAll, Strategy, as_strategy
 from .schedules import Schedule, online, revolve, store_all
 
@@ -283,10 +292,30 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
     if truncate is not None and n_steps is not None:
         K = check_truncate(truncate)
         k = max(d for d in range(1, min(k, K) + 1) if K % d == 0)
+    budgeted = _host_budget(state, kw)
+    known = compiler_memory()
+    compiler = COMPILER_ESTIMATE if known is None else max(known)
+    if budgeted is not None and mode == "auto" and 8 * compiler > budgeted:
+        if stats is not None:
+            about = format_bytes(compiler)
+            stats.extra["compile"] = SegmentChoice(
+                0, f"eager: the compiler's one-time host memory (about {about}) is more than "
+                "1/8 of the budget")
+        return _EAGER
     seg = segments(step, k, n_steps if until is None else None, has_output=kw["has_output"],
                    strict=mode != "auto")
     if torch.is_grad_enabled():
-        _warm(seg, state)
+        resident, peak = measure_compiler(lambda: _warm(seg, state))
+        if budgeted is not None:
+            if max(resident, peak) >= budgeted:
+                raise BudgetError(
+                    f"unroll: the budget {format_bytes(budgeted)} cannot hold the compiler's "
+                    f"one-time host memory ({format_bytes(resident)} resident, "
+                    f"{format_bytes(peak)} at its peak); raise the budget or give "
+                    "compile=False")
+            kw = _less_budget(kw, budgeted - resident)
+            if stats is not None:
+                stats.extra["compiler_memory"] = resident
     m = seg.segments if until is None else None
     if stats is not None and choice is not None:
         stats.extra["compile"] = choice
@@ -303,6 +332,28 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
         x, outs = res
         return x, seg.outputs(outs)
     return res
+
+
+def _host_budget(state: Any, kw: dict) -> int | None:
+    """The budget in bytes when the unroll is budgeted on the CPU (where the compiler's own
+    memory is part of what the budget bounds), else ``None``."""
+    how = kw["budget"] if kw["budget"] is not None else kw["schedule"]
+    if how is None or (not isinstance(how, Budget) and kw["budget"] is None):
+        return None
+    leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    if not leaves or leaves[0].device.type != "cpu":
+        return None
+    return parse_budget(how.budget if isinstance(how, Budget) else how, leaves[0].device)
+
+
+def _less_budget(kw: dict, nbytes: int) -> dict:
+    """``kw`` with its budget lowered to ``nbytes`` (the compiler's resident bytes taken off)."""
+    how = kw["budget"] if kw["budget"] is not None else kw["schedule"]
+    if isinstance(how, Budget):
+        lowered = Budget(nbytes, how.offload, how.spill_dir, how.group)
+    else:
+        lowered = Budget(nbytes, kw["offload"], kw["spill_dir"])
+    return {**kw, "budget": lowered, "schedule": None, "offload": None, "spill_dir": None}
 
 
 def _warm(seg: Segments, state: Any) -> None:
@@ -331,7 +382,7 @@ def _choose_k(step, state, n_steps: int, mode, runs: int, kw,
     how = as_strategy(kw["schedule"], kw["snapshots"], kw["budget"], kw["offload"],
                       kw["spill_dir"])
     prof = profile_step(step, state, params=kw["params"])
-    q, d = dispatch_cost(step, state)
+    cost = dispatch_cost(step, state)
     if isinstance(how, Budget):
         leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
         nbytes = parse_budget(how.budget, leaves[0].device if leaves else None)
@@ -346,8 +397,8 @@ def _choose_k(step, state, n_steps: int, mode, runs: int, kw,
 
         def time_of(p, m):
             return strategy.predicted_time(p, m), True
-    return choose_segment(prof, n_steps, q, d, mode=mode, runs=runs, time_of=time_of,
-                          lengths=lengths)
+    return choose_segment(prof, n_steps, cost.q, cost.d, mode=mode, runs=runs, time_of=time_of,
+                          lengths=lengths, heavy=cost.heavy, t_step=cost.t_step)
 
 
 def _reversal(how: Any, step: Any, sched: Schedule | None = None) -> dict[str, Any]:

@@ -190,13 +190,26 @@ def test_a_graph_break_runs_eagerly_with_one_warning_line():
 def test_budget_plans_the_compiled_segment(problem):
     step, F, y0 = problem
     stats = deepsolve.UnrollStats()
-    g = grads(loss_of(deepsolve.unroll(step, y0, 40, budget="40KiB", compile=True,
+    g = grads(loss_of(deepsolve.unroll(step, y0, 40, budget="1GiB", compile=True,
                                        stats=stats)), (F, y0))
     plan = stats.extra["plan"]
     assert plan.segment is not None and plan.segment.k == stats.segment
+    # the compiler's resident host memory is taken off the budget the schedule plans with
+    lib = stats.extra["compiler_memory"]
+    assert lib > 0 and plan.budget == 2**30 - lib
     assert plan.predicted_peak <= plan.budget
     assert f"compiled segments of {stats.segment}" in stats.explain()
     assert_close(g, eager_grads(step, y0, F, 40), 1e-10)
+
+
+def test_a_budget_too_small_for_the_compiler(problem):
+    step, _, y0 = problem
+    with pytest.raises(deepsolve.BudgetError, match="compiler's one-time host memory"):
+        deepsolve.unroll(step, y0, 40, budget="64KiB", compile=K)
+    stats = deepsolve.UnrollStats()  # "auto" stays eager there (estimated or measured)
+    deepsolve.unroll(step, y0, 40, budget="64KiB", compile="auto", compile_runs=10**6,
+                     stats=stats).sum().backward()
+    assert stats.segment == 1
 
 
 def test_bad_compile_arguments_are_one_line_errors(problem):
@@ -270,3 +283,27 @@ def test_a_strategy_carries_compile_and_auto_compiles_once_it_pays(problem):
     deepsolve.unroll(step, y0, 8, snapshots=3, compile="auto", compile_runs=10**7,
                      stats=s2).sum().backward()
     assert s2.segment > 1 and s2.extra["compile"].k == s2.segment
+
+
+def test_trainer_setting_compiles_and_logs_the_first_call(tmp_path, capsys):
+    import os
+
+    import numpy as np
+
+    from deepsolve.cli import main
+    from deepsolve.io import read_log
+
+    tiny = os.path.join(os.path.dirname(__file__), "data", "tiny_problem.py")
+    cols = {}
+    for mode in ("off", "5"):
+        out = str(tmp_path / mode)
+        assert main(["train", tiny, "--out", out, "--iterations", "3", "--quiet", "--dtype",
+                     "float64", "--set", f"compile={mode}"]) == 0
+        cols[mode] = read_log(os.path.join(out, "log.h5")).columns
+    c = cols["5"]
+    assert c["compile_time"][0] > 0 and np.all(c["compile_time"][1:] == 0)
+    assert np.all(cols["off"]["compile_time"] == 0)
+    assert np.all(c["recorded"] == 10)  # 50 steps as 10 recorded segments of 5
+    np.testing.assert_allclose(c["loss"], cols["off"]["loss"], rtol=1e-10)
+    assert main(["train", tiny, "--out", str(tmp_path / "bad"), "--set", "compile=maybe"]) == 2
+    assert "compile" in capsys.readouterr().err

@@ -1,22 +1,28 @@
 """Choosing the segment length of a compiled unroll (``unroll(..., compile=...)``).
 
 A compiled segment runs ``k`` steps as one graph (:mod:`deepsolve.engine.segments`). What
-it saves is PyTorch's per-operation dispatch; what it costs is a per-call overhead (guards,
-the compiled function's wrappers, autograd's node), a tape ``k`` times a step's, and a
-compile time that grows with the unrolled graph. The model, per step evaluation, from the
-eager profile (:class:`~deepsolve.memory.profiling.StepProfile`) and two cheap measurements
-(:func:`dispatch_cost`: ``q`` operations per step, ``d`` seconds of dispatch per operation)::
+it saves is PyTorch's per-operation dispatch and, where the step is pointwise arithmetic,
+memory traffic (the compiler fuses the operations into a few loops); what it costs is a
+per-call overhead (guards, the compiled function's wrappers, autograd's node), a tape ``k``
+times a step's, and a compile time that grows with the unrolled graph. The model, per step
+evaluation, from the eager profile (:class:`~deepsolve.memory.profiling.StepProfile`, its
+times scaled to the step's eager time ``t`` measured outside the profiler) and cheap
+measurements (:class:`Dispatch`: ``q`` operations per step, ``d`` seconds of dispatch per
+operation, whether the step has heavy operations — products, convolutions, FFTs, solves)::
 
-    advance   t_a(k) = O_a d + k max(t_advance - q d, f t_advance)
-    record    t_r(k) = O_r d + k max(t_record + t_backward - 3 q d, f (t_record + t_backward))
-    compile   C(k)   = C_0 + C_1 k q                                (a cold compile cache)
-    run       T(k)   = A(m, s) t_a(k) + m t_r(k),   m = ceil(n / k)
+    arithmetic  a = t_advance - q d           (r = t_record + t_backward: r - 3 q d)
+    advance     t_a(k) = O_a d + k max(phi a, f t_advance)
+    record      t_r(k) = O_r d + k max(phi (r - 3 q d), f r)
+    compile     C(k)   = C_0 + C_1 (k q)^1.15                  (an empty compile cache)
+    run         T(k)   = A(m, s) t_a(k) + m t_r(k),   m = ceil(n / k)
 
 ``A(m, s)`` the strategy's unrecorded evaluations of the ``m``-segment chain; ``O_a = 30``,
-``O_r = 200`` dispatches of per-call overhead, ``f = 0.1`` the floor of the arithmetic left
-after dispatch, ``C_0 = 12`` s (most of it the compiler's start in a fresh process) and
-``C_1 = 0.075`` s per operation: measured on the 2-core
-CPU of docs/benchmarks.md ("Compiled segments"; on a faster machine all scale together).
+``O_r = 200`` dispatches of per-call overhead; ``phi = 1/4`` the arithmetic left after
+fusing a step of pointwise operations (``1`` for a step with heavy operations, which the
+compiler calls as they are); ``f = 0.1`` a floor; ``C_0 = 12`` s (most of it the compiler's
+start in a fresh process), ``C_1 = 0.036`` s. Measured on the 2-core CPU of
+docs/benchmarks.md ("Compiled segments beside diffrax": Lorenz-96, finite-difference PDEs
+of 4k and 64k points, the Navier–Stokes step); on a faster machine all scale together.
 Under a budget the tape of a segment is ``k`` tapes, so ``s`` shrinks as ``k`` grows: each
 ``k`` is planned with the segment's modelled profile, and the plan that runs is made from
 the *measured* profile of the compiled segment, so the budget keeps its promise.
@@ -25,8 +31,8 @@ The choice: the ``k`` in ``1, 2, 4, ..., 64`` with the least ``runs T(k) + C(k)`
 how many unrolls of this step the compile time is spread over — the trainer passes its
 iterations; ``compile=True`` without ``compile_runs`` assumes :data:`HORIZON` = 20), so a
 longer run affords a longer segment. ``compile="auto"`` compiles only when that beats
-``runs T_eager`` by 10 %, so a short run, or a step whose time is arithmetic rather than
-dispatch, stays eager.
+``runs T_eager`` by 10 %, so a short run, or a step whose time is heavy arithmetic rather
+than dispatch, stays eager.
 """
 
 from __future__ import annotations
@@ -35,27 +41,63 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..engine import cuda_devices, get_rng, set_rng
+from ..engine import EXPENSIVE_OPS, cuda_devices, get_rng, set_rng
+from .meter import process_status, reset_high_water_mark
 from .profiling import StepProfile
 
-__all__ = ["SegmentChoice", "choose_segment", "dispatch_cost", "segment_profile",
-           "SEGMENT_LENGTHS", "MODEL", "HORIZON"]
+__all__ = ["SegmentChoice", "Dispatch", "choose_segment", "dispatch_cost", "segment_profile",
+           "compile_seconds",
+           "SEGMENT_LENGTHS", "MODEL", "HORIZON", "COMPILER_ESTIMATE", "compiler_memory",
+           "measure_compiler"]
 
 #: unrolls the compile time is spread over by ``compile=True`` without ``compile_runs``
 HORIZON = 20
+#: host bytes assumed for the compiler's first use in a process before it is measured
+#: (measured on the benchmarks' steps: 240-350 MiB of resident growth, CPU, torch 2.13)
+COMPILER_ESTIMATE = 320 * 2**20
+_compiler: dict[str, int] = {}  # the first measured compile in this process: resident, peak
+
+
+def compiler_memory() -> tuple[int, int] | None:
+    """``(resident, peak)`` host bytes of the first compile measured in this process (what
+    stays resident, and its transient peak above the resident size before it); ``None``
+    before one was measured."""
+    if not _compiler:
+        return None
+    return _compiler["resident"], _compiler["peak"]
+
+
+def measure_compiler(run: Callable[[], Any]) -> tuple[int, int]:
+    """Run ``run()`` (the first compile of a segment) and return :func:`compiler_memory`:
+    on the process's first compile, the growth of ``VmRSS`` and of the high-water mark (reset
+    first where permitted), rounded up to a MiB; later compiles in the process keep the first
+    figures, so that a warmed call plans as the first did (as
+    :mod:`~deepsolve.memory.library` does for the policy machinery)."""
+    before = process_status("VmRSS:")
+    fresh = reset_high_water_mark()
+    run()
+    if not _compiler:
+        resident = max(process_status("VmRSS:") - before, 0)
+        peak = max(process_status("VmHWM:") - before, resident) if fresh else resident
+        _compiler["resident"] = -(-resident // 2**20) * 2**20
+        _compiler["peak"] = -(-peak // 2**20) * 2**20
+    got = compiler_memory()
+    assert got is not None
+    return got
 
 #: segment lengths weighed
 SEGMENT_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
 #: the model's constants (module docstring): per-call overheads in dispatches, the floor of
-#: compiled arithmetic, the compile time's base [s] and its cost per operation [s]
-MODEL = dict(overhead_advance=30.0, overhead_record=200.0, floor=0.1, compile_base=12.0,
-             compile_per_op=0.075, margin=0.9)
+#: compiled arithmetic, what fusion leaves of pointwise arithmetic, the compile time's base
+#: [s], its cost per operation [s] and the power of the graph size it grows with
+MODEL = dict(overhead_advance=30.0, overhead_record=200.0, floor=0.1, fused=0.25,
+             compile_base=12.0, compile_per_op=0.036, compile_power=1.15, margin=0.9)
 
 
 @dataclass
@@ -90,32 +132,50 @@ class SegmentChoice:
         return "\n".join(lines)
 
 
+class Dispatch(NamedTuple):
+    """What :func:`dispatch_cost` measures of a step."""
+
+    q: int  #: operations one unrecorded step dispatches
+    d: float  #: seconds one dispatch of a tiny operation costs here
+    heavy: bool  #: the step has products, convolutions, FFTs or solves (not fused away)
+    t_step: float  #: seconds of one unrecorded eager step, measured in the calling thread
+
+
 class _Count(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.n = 0
+        self.heavy = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        self.heavy = self.heavy or func in EXPENSIVE_OPS
         return func(*args, **(kwargs or {}))
 
 
-_dispatch: dict[Any, tuple[int, float]] = {}
+_dispatch: dict[Any, Dispatch] = {}
 
 
-def dispatch_cost(step: Callable, state: Any) -> tuple[int, float]:
-    """``(q, d)``: the operations one unrecorded step dispatches and the seconds one
-    dispatch of a tiny operation costs here (cached per step; the random generators are
-    left as they were)."""
+def dispatch_cost(step: Callable, state: Any) -> Dispatch:
+    """The step's :class:`Dispatch` (cached per step; the random generators are left as they
+    were): its operations counted in one unrecorded step, then three more timed."""
     key = (getattr(step, "__func__", step), id(getattr(step, "__self__", None)))
     if key in _dispatch:
         return _dispatch[key]
     count = _Count()
     cuda = cuda_devices([t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)])
     rng = get_rng(cuda)  # a stochastic step's stream is left where it was
+    t_step = float("inf")
     try:
-        with torch.no_grad(), count:
-            step(state, 0)
+        with torch.no_grad():
+            with count:
+                step(state, 0)
+            for _ in range(3):
+                t0 = time.perf_counter()
+                step(state, 0)
+                if cuda:
+                    torch.cuda.synchronize()
+                t_step = min(t_step, time.perf_counter() - t0)
     finally:
         set_rng(rng, cuda)
     x = torch.zeros(1)
@@ -125,20 +185,40 @@ def dispatch_cost(step: Callable, state: Any) -> tuple[int, float]:
         for _ in range(200):
             x = x + 1
         best = min(best, (time.perf_counter() - t0) / 200)
+    got = Dispatch(max(count.n, 1), best, count.heavy, t_step)
     try:
-        _dispatch[key] = (max(count.n, 1), best)
+        _dispatch[key] = got
     except TypeError:  # unhashable step
         pass
-    return max(count.n, 1), best
+    return got
 
 
-def segment_profile(p: StepProfile, k: int, q: int, d: float) -> StepProfile:
+def _scaled(p: StepProfile, t_step: float | None) -> StepProfile:
+    """The profile's times scaled to the eager step time measured outside the profiler (the
+    profiler's own thread and allocator counters slow large steps)."""
+    if not t_step or p.t_advance <= 0:
+        return p
+    c = t_step / p.t_advance
+    return dataclasses.replace(p, t_advance=t_step, t_record=c * p.t_record,
+                               t_backward=c * p.t_backward)
+
+
+def compile_seconds(k: int, q: int) -> float:
+    """The predicted compile time of a ``k``-step segment of ``q`` operations per step."""
+    m = MODEL
+    return m["compile_base"] + m["compile_per_op"] * (k * q) ** m["compile_power"]
+
+
+def segment_profile(p: StepProfile, k: int, q: int, d: float,
+                    heavy: bool = True) -> StepProfile:
     """The modelled profile of a compiled ``k``-step segment (module docstring): ``k``
     tapes, outputs and working-set increments; compiled times."""
     m = MODEL
-    t_adv = m["overhead_advance"] * d + k * max(p.t_advance - q * d, m["floor"] * p.t_advance)
+    phi = 1.0 if heavy else m["fused"]
+    t_adv = m["overhead_advance"] * d + k * max(phi * (p.t_advance - q * d),
+                                                m["floor"] * p.t_advance)
     rec = p.t_record + p.t_backward
-    t_rec = m["overhead_record"] * d + k * max(rec - 3 * q * d, m["floor"] * rec)
+    t_rec = m["overhead_record"] * d + k * max(phi * (rec - 3 * q * d), m["floor"] * rec)
     share = p.t_record / rec if rec > 0 else 0.5
     grow = k - 1
     return dataclasses.replace(
@@ -155,25 +235,27 @@ def _absolute(strategy_time: float, prof: StepProfile, m: int) -> float:
 
 def choose_segment(p: StepProfile, n_steps: int, q: int, d: float, *, mode: Any = True,
                    runs: int = 1, time_of: Callable[[StepProfile, int], tuple[float, bool]],
-                   lengths: tuple[int, ...] = SEGMENT_LENGTHS) -> SegmentChoice:
+                   lengths: tuple[int, ...] = SEGMENT_LENGTHS, heavy: bool = True,
+                   t_step: float | None = None) -> SegmentChoice:
     """The segment length for ``n_steps`` steps (module docstring).
 
     ``time_of(profile, m) -> (relative time, fits)``: the strategy's (or the budget's best
     plan's) predicted time for an ``m``-step chain of that profile, relative to its plain
     unroll, and whether it fits the memory asked for. ``mode``: ``True`` (compile, the best
-    ``k``), ``"auto"`` (compile only when it pays within ``runs`` unrolls)."""
+    ``k``), ``"auto"`` (compile only when it pays within ``runs`` unrolls). ``heavy`` and
+    ``t_step``: from :class:`Dispatch` (default: no fusion gain, the profile's times)."""
     runs = max(1, int(runs))
+    p = _scaled(p, t_step)
     rel, _ = time_of(p, n_steps)
     eager = _absolute(rel, p, n_steps)
     table: list[tuple[int, float, float, bool]] = []
     for k in lengths:
         if k > max(1, n_steps):
             break
-        prof = segment_profile(p, k, q, d)
+        prof = segment_profile(p, k, q, d, heavy)
         m = -(-n_steps // k)
         rel_k, fits = time_of(prof, m)
-        table.append((k, _absolute(rel_k, prof, m),
-                      MODEL["compile_base"] + MODEL["compile_per_op"] * k * q, fits))
+        table.append((k, _absolute(rel_k, prof, m), compile_seconds(k, q), fits))
     ok = [row for row in table if row[3]]
     if not ok:
         return SegmentChoice(0, "no segment length fits: eager steps", eager, runs=runs,
