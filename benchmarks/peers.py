@@ -28,8 +28,9 @@ step), ``checkpoint`` (``torch.utils.checkpoint`` over 20 segments) and ``diffra
 
 Reported per cell: the first call in a fresh process (compilation included: inductor's with
 an empty cache directory, and again with the cache the first process filled; XLA's), the
-median of ``--repeats`` calls after it, the run of 20 iterations (first + 19 medians), the
-process's peak RSS above its size before the first call, and the gradient's relative
+median of ``--repeats`` calls after it, the run of 20 iterations (first + 19 medians; for
+``auto20`` its 20 unrolls timed, since it runs the first eagerly and decides at the second),
+the process's peak RSS above its size before the first call, and the gradient's relative
 difference from diffrax's (from plain autograd's where diffrax did not run).
 """
 
@@ -146,15 +147,16 @@ def torch_child(w: dict, method: str, repeats: int) -> dict:
         return g
 
     base = rss()
-    t0 = time.perf_counter()
-    g = run()
-    first = time.perf_counter() - t0
     times = []
-    for _ in range(repeats):
+    # auto20 is a training run: 20 unrolls (the first eager and timed, the decision at the
+    # second), all timed; the others: the first call and `repeats` more
+    for _ in range(20 if method == "auto20" else 1 + repeats):
         t0 = time.perf_counter()
-        run()
+        g = run()
         times.append(time.perf_counter() - t0)
-    return dict(first=first, warm=statistics.median(times), rss=rss() - base,
+    warm = statistics.median(times[-repeats:])
+    run20 = sum(times) if method == "auto20" else times[0] + 19 * warm
+    return dict(first=times[0], warm=warm, run20=run20, rss=rss() - base,
                 grad=[t.detach().reshape(-1).numpy().tolist() for t in g],
                 segment=stats.segment, compile_time=stats.compile_time)
 
@@ -201,7 +203,8 @@ def jax_child(w: dict, repeats: int) -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(grad(theta, x0))
         times.append(time.perf_counter() - t0)
-    return dict(first=first, warm=statistics.median(times), rss=rss() - base,
+    warm = statistics.median(times)
+    return dict(first=first, warm=warm, run20=first + 19 * warm, rss=rss() - base,
                 grad=[np.asarray(t).reshape(-1).tolist() for t in g])
 
 
@@ -347,8 +350,9 @@ def main() -> None:
             python = args.jax_python if m == "diffrax" else sys.executable
             res[m] = spawn(python, w, m, args.repeats, env)
             if res[m] is not None and m in ("compile", "auto20"):
-                again = spawn(python, w, m, 1, env)
+                again = spawn(python, w, m, args.repeats, env)
                 res[m]["first_warm_cache"] = again["first"] if again else float("nan")
+                res[m]["run20_warm_cache"] = again["run20"] if again else float("nan")
             print(f"  {name} {m}: {res[m] and {k: v for k, v in res[m].items() if k != 'grad'}}",
                   file=sys.stderr, flush=True)
         ref_name = "diffrax" if res.get("diffrax") else "plain"
@@ -359,17 +363,22 @@ def main() -> None:
             if r is None:
                 rows.append((name, m) + ("failed",) * 8)
                 continue
-            run20 = r["first"] + 19 * r["warm"]
+            run20 = r["run20"]
             vs = (f"{r['warm'] / dfx['warm']:.2f}" if dfx else "-")
             vs_first = (f"{r['first'] / dfx['first']:.2f}" if dfx else "-")
-            vs20 = (f"{run20 / (dfx['first'] + 19 * dfx['warm']):.2f}" if dfx else "-")
+            vs20 = (f"{run20 / dfx['run20']:.2f}" if dfx else "-")
+            r20 = f"{run20:.1f}"
+            if "run20_warm_cache" in r:
+                r20 += f" / {r['run20_warm_cache']:.1f}"
+                if dfx:
+                    vs20 += f" / {r['run20_warm_cache'] / dfx['run20']:.2f}"
             err = rel(r["grad"], ref["grad"]) if ref is not None and m != ref_name else 0.0
             seg = r.get("segment", "")
             cold = r["first"]
             warmc = r.get("first_warm_cache")
             first = f"{cold:.2f}" + (f" / {warmc:.2f}" if warmc is not None else "")
             rows.append((name, m + (f" (k={seg})" if m in ("compile", "auto20") else ""),
-                         f"{r['warm']:.3f}", vs, first, vs_first, f"{run20:.1f}", vs20,
+                         f"{r['warm']:.3f}", vs, first, vs_first, r20, vs20,
                          f"{r['rss']:.0f}", f"{err:.1e}"))
     head = ("workload", "method", "time [s]", "/ diffrax", "first call [s]", "/ diffrax",
             "20 its [s]", "/ diffrax", "RSS [MiB]", "grad vs ref")
@@ -378,8 +387,10 @@ def main() -> None:
     for r in rows:
         print("| " + " | ".join(str(c) for c in r) + " |")
     print(f"\nreference gradient: diffrax where it ran, else plain autograd; time: median of "
-          f"{args.repeats} after the first call; first call: a fresh process (compiled "
-          "methods: cold inductor cache / the cache the first process filled)")
+          f"{args.repeats} after the first call (auto20: of the last {args.repeats} of its 20); "
+          "first call: a fresh process (compiled methods: an empty inductor cache / the cache "
+          "the first process filled); 20 its: the first call and 19 more (auto20: the 20 "
+          "unrolls of its run, measured)")
 
 
 if __name__ == "__main__":

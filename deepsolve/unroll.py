@@ -192,6 +192,8 @@ def unroll(
     _check_step(step)
     if compile is False:  # the strategy's field (None: eager whatever it says)
         compile = getattr(schedule, "compile", False) or getattr(budget, "compile", False)
+    if compile == "auto" and stats is None:
+        stats = UnrollStats()  # "auto" measures an eager unroll's time to decide
     if compile is not False and compile is not None:
         done = _segmented(step, state, n_steps, compile, compile_runs, until=until,
                           max_steps=max_steps, snapshots=snapshots, schedule=schedule,
@@ -278,13 +280,27 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
     elif n_steps is None or n_steps == 0 or not torch.is_grad_enabled():
         k = 1 if mode is True else 0  # no chain to model: "auto" stays eager
     else:
-        if runs is None and mode == "auto":  # the unrolls of this step so far, this one too
-            runs = _auto_calls[step_identity(step)] = _auto_calls.get(step_identity(step), 0) + 1
-            while len(_auto_calls) > 64:
-                del _auto_calls[next(iter(_auto_calls))]
+        measured = None
+        if mode == "auto":
+            # "auto" runs the first unroll of a step eagerly and decides at the next one from
+            # its measured time (the model's eager prediction misses the executor's own
+            # per-step work): over the runs left of compile_runs, or as many as so far
+            seen = _auto_seen.pop(step_identity(step), None)
+            _auto_seen[step_identity(step)] = seen or _AutoSeen()
+            while len(_auto_seen) > 64:
+                del _auto_seen[next(iter(_auto_seen))]
+            rec = _auto_seen[step_identity(step)]
+            rec.calls += 1
+            if rec.last is None or rec.n_steps != n_steps:
+                rec.last, rec.n_steps = stats, n_steps  # measure this one
+                return _EAGER
+            measured = rec.last.forward_time + rec.last.backward_time
+            runs = rec.calls - 1 if runs is None else max(runs - rec.calls + 1, 1)
         choice = _choose_k(step, state, n_steps, mode, runs or HORIZON, kw,
-                           (1,) if single else SEGMENT_LENGTHS)
+                           (1,) if single else SEGMENT_LENGTHS, measured)
         k = choice.k
+        if mode == "auto" and k == 0:
+            rec.last = stats  # measure again: the next call decides with one run fewer
     if k == 0:
         if stats is not None and choice is not None:
             stats.extra["compile"] = choice
@@ -373,11 +389,21 @@ def _warm(seg: Segments, state: Any) -> None:
                             allow_unused=True)
 
 
-_auto_calls: dict[Any, int] = {}  # compile="auto" without compile_runs: unrolls per step
+class _AutoSeen:
+    """What ``compile="auto"`` has seen of a step: its unrolls so far, the statistics of the
+    last one run eagerly (its measured forward and backward time) and its length."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.last: UnrollStats | None = None
+        self.n_steps: int | None = None
+
+
+_auto_seen: dict[Any, _AutoSeen] = {}
 
 
 def _choose_k(step, state, n_steps: int, mode, runs: int, kw,
-              lengths: tuple[int, ...]) -> SegmentChoice:
+              lengths: tuple[int, ...], measured: float | None = None) -> SegmentChoice:
     """The segment length by the model, for the strategy or budget asked for."""
     how = as_strategy(kw["schedule"], kw["snapshots"], kw["budget"], kw["offload"],
                       kw["spill_dir"])
@@ -398,7 +424,8 @@ def _choose_k(step, state, n_steps: int, mode, runs: int, kw,
         def time_of(p, m):
             return strategy.predicted_time(p, m), True
     return choose_segment(prof, n_steps, cost.q, cost.d, mode=mode, runs=runs, time_of=time_of,
-                          lengths=lengths, heavy=cost.heavy, t_step=cost.t_step)
+                          lengths=lengths, heavy=cost.heavy, t_step=cost.t_step,
+                          eager=measured or None)
 
 
 def _reversal(how: Any, step: Any, sched: Schedule | None = None) -> dict[str, Any]:

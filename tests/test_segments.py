@@ -276,13 +276,16 @@ def test_a_strategy_carries_compile_and_auto_compiles_once_it_pays(problem):
     assert stats.segment == K
     assert_close(g, eager_grads(step, y0, F, 16), 1e-10)
     assert deepsolve.Budget("1MiB", compile="auto").compile == "auto"
-    s1 = deepsolve.UnrollStats()
-    deepsolve.unroll(step, y0, 16, snapshots=3, compile="auto", stats=s1).sum().backward()
-    assert s1.segment == 1 and s1.extra["compile"].k == 0  # one short unroll: not repaid
-    s2 = deepsolve.UnrollStats()
-    deepsolve.unroll(step, y0, 8, snapshots=3, compile="auto", compile_runs=10**7,
-                     stats=s2).sum().backward()
-    assert s2.segment > 1 and s2.extra["compile"].k == s2.segment
+    runs = []  # "auto": the first unroll runs eagerly and is timed; the next one decides
+    for kw in ({"compile_runs": 10**7}, {"compile_runs": 10**7}, {}):
+        st = deepsolve.UnrollStats()
+        deepsolve.unroll(step, y0, 8, snapshots=3, compile="auto", stats=st, **kw).sum() \
+            .backward()
+        runs.append(st)
+    assert runs[0].segment == 1 and "compile" not in runs[0].extra
+    assert runs[1].segment > 1 and runs[1].extra["compile"].k == runs[1].segment
+    # without compile_runs, as many runs ahead as so far: two short ones do not repay it
+    assert runs[2].segment == 1 and "not repaid" in runs[2].extra["compile"].reason
 
 
 def test_trainer_setting_compiles_and_logs_the_first_call(tmp_path, capsys):

@@ -236,18 +236,20 @@ def _absolute(strategy_time: float, prof: StepProfile, m: int) -> float:
 def choose_segment(p: StepProfile, n_steps: int, q: int, d: float, *, mode: Any = True,
                    runs: int = 1, time_of: Callable[[StepProfile, int], tuple[float, bool]],
                    lengths: tuple[int, ...] = SEGMENT_LENGTHS, heavy: bool = True,
-                   t_step: float | None = None) -> SegmentChoice:
+                   t_step: float | None = None, eager: float | None = None) -> SegmentChoice:
     """The segment length for ``n_steps`` steps (module docstring).
 
     ``time_of(profile, m) -> (relative time, fits)``: the strategy's (or the budget's best
     plan's) predicted time for an ``m``-step chain of that profile, relative to its plain
     unroll, and whether it fits the memory asked for. ``mode``: ``True`` (compile, the best
     ``k``), ``"auto"`` (compile only when it pays within ``runs`` unrolls). ``heavy`` and
-    ``t_step``: from :class:`Dispatch` (default: no fusion gain, the profile's times)."""
+    ``t_step``: from :class:`Dispatch` (default: no fusion gain, the profile's times).
+    ``eager``: the measured seconds of an eager unroll, in place of the model's."""
     runs = max(1, int(runs))
     p = _scaled(p, t_step)
-    rel, _ = time_of(p, n_steps)
-    eager = _absolute(rel, p, n_steps)
+    if eager is None:
+        rel, _ = time_of(p, n_steps)
+        eager = _absolute(rel, p, n_steps)
     table: list[tuple[int, float, float, bool]] = []
     for k in lengths:
         if k > max(1, n_steps):
