@@ -292,15 +292,28 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
             rec = _auto_seen[step_identity(step)]
             rec.calls += 1
             if rec.last is None or rec.n_steps != n_steps:
-                rec.last, rec.n_steps = stats, n_steps  # measure this one
+                rec.last, rec.n_steps, rec.choice = stats, n_steps, None  # measure this one
                 return _EAGER
+            if rec.choice is not None:  # compiled already: keep its k (a new k recompiles)
+                return _segment_with(step, state, n_steps, rec.choice.k, rec.choice, mode,
+                                     until=until, truncate=truncate, stats=stats, **kw)
             measured = rec.last.forward_time + rec.last.backward_time
             runs = rec.calls - 1 if runs is None else max(runs - rec.calls + 1, 1)
         choice = _choose_k(step, state, n_steps, mode, runs or HORIZON, kw,
                            (1,) if single else SEGMENT_LENGTHS, measured)
         k = choice.k
-        if mode == "auto" and k == 0:
-            rec.last = stats  # measure again: the next call decides with one run fewer
+        if mode == "auto":
+            if k == 0:
+                rec.last = stats  # measure again: the next call decides with one run fewer
+            else:
+                rec.choice = choice
+    return _segment_with(step, state, n_steps, k, choice, mode, until=until,
+                         truncate=truncate, stats=stats, **kw)
+
+
+def _segment_with(step, state, n_steps, k: int, choice, mode, *, until, truncate, stats,
+                  **kw) -> Any:
+    """``unroll`` over segments of ``k`` steps (``0``: :data:`_EAGER`)."""
     if k == 0:
         if stats is not None and choice is not None:
             stats.extra["compile"] = choice
@@ -321,7 +334,10 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
     seg = segments(step, k, n_steps if until is None else None, has_output=kw["has_output"],
                    strict=mode != "auto")
     if torch.is_grad_enabled():
-        resident, peak = measure_compiler(lambda: _warm(seg, state))
+        if not seg.ready:  # compile before the unroll (and its profile); measured once
+            resident, peak = measure_compiler(lambda: _warm(seg, state))
+        else:
+            resident, peak = compiler_memory() or (0, 0)
         if budgeted is not None:
             if max(resident, peak) >= budgeted:
                 raise BudgetError(
@@ -397,6 +413,7 @@ class _AutoSeen:
         self.calls = 0
         self.last: UnrollStats | None = None
         self.n_steps: int | None = None
+        self.choice: SegmentChoice | None = None  # the decision to compile, once taken
 
 
 _auto_seen: dict[Any, _AutoSeen] = {}

@@ -277,15 +277,22 @@ def test_a_strategy_carries_compile_and_auto_compiles_once_it_pays(problem):
     assert_close(g, eager_grads(step, y0, F, 16), 1e-10)
     assert deepsolve.Budget("1MiB", compile="auto").compile == "auto"
     runs = []  # "auto": the first unroll runs eagerly and is timed; the next one decides
-    for kw in ({"compile_runs": 10**7}, {"compile_runs": 10**7}, {}):
+    for kw in ({"compile_runs": 10**7}, {"compile_runs": 10**7}, {"compile_runs": 2}):
         st = deepsolve.UnrollStats()
         deepsolve.unroll(step, y0, 8, snapshots=3, compile="auto", stats=st, **kw).sum() \
             .backward()
         runs.append(st)
     assert runs[0].segment == 1 and "compile" not in runs[0].extra
     assert runs[1].segment > 1 and runs[1].extra["compile"].k == runs[1].segment
-    # without compile_runs, as many runs ahead as so far: two short ones do not repay it
-    assert runs[2].segment == 1 and "not repaid" in runs[2].extra["compile"].reason
+    assert runs[2].segment == runs[1].segment and runs[2].compile_time == 0  # kept, no recompile
+
+    def other(y, i):  # a step of its own: without compile_runs, as many runs ahead as so far
+        return l96(y, i, F)
+
+    for _ in range(2):
+        st = deepsolve.UnrollStats()
+        deepsolve.unroll(other, y0, 8, snapshots=3, compile="auto", stats=st).sum().backward()
+    assert st.segment == 1 and "not repaid" in st.extra["compile"].reason
 
 
 def test_trainer_setting_compiles_and_logs_the_first_call(tmp_path, capsys):

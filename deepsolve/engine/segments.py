@@ -224,6 +224,11 @@ class Segments:
             self.inverse = inverse
 
     @property
+    def ready(self) -> bool:
+        """Whether a full segment has run in both grad modes (compiled, or found eager)."""
+        return (self.k, True) in self._fns and (self.k, False) in self._fns
+
+    @property
     def segments(self) -> int | None:
         """The chain's length ``ceil(n / k)`` (``None`` for an unknown length)."""
         return None if self.n_steps is None else segment_count(self.n_steps, self.k)
