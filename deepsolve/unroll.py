@@ -194,6 +194,8 @@ def unroll(
         compile = getattr(schedule, "compile", False) or getattr(budget, "compile", False)
     if compile == "auto" and stats is None:
         stats = UnrollStats()  # "auto" measures an eager unroll's time to decide
+    if stats is not None:
+        stats.segment, stats.compile_time = 1, 0.0  # this unroll's (a reused object too)
     if compile is not False and compile is not None:
         done = _segmented(step, state, n_steps, compile, compile_runs, until=until,
                           max_steps=max_steps, snapshots=snapshots, schedule=schedule,
@@ -356,7 +358,7 @@ def _segment_with(step, state, n_steps, k: int, choice, mode, *, until, truncate
                  **{**kw, "has_output": seg.has_output})
     if stats is not None:
         stats.segment = k
-        stats.compile_time += seg.compile_time
+        stats.compile_time = seg.compile_time  # this unroll's (a reused stats object too)
         plan = stats.extra.get("plan")
         if plan is not None and choice is not None:
             plan.segment = choice

@@ -244,12 +244,16 @@ def choose_segment(p: StepProfile, n_steps: int, q: int, d: float, *, mode: Any 
     unroll, and whether it fits the memory asked for. ``mode``: ``True`` (compile, the best
     ``k``), ``"auto"`` (compile only when it pays within ``runs`` unrolls). ``heavy`` and
     ``t_step``: from :class:`Dispatch` (default: no fusion gain, the profile's times).
-    ``eager``: the measured seconds of an eager unroll, in place of the model's."""
+    ``eager``: the measured seconds of an eager unroll, in place of the model's; the
+    compiled predictions are scaled by the same measured / modelled ratio."""
     runs = max(1, int(runs))
     p = _scaled(p, t_step)
-    if eager is None:
-        rel, _ = time_of(p, n_steps)
-        eager = _absolute(rel, p, n_steps)
+    rel, _ = time_of(p, n_steps)
+    modelled = _absolute(rel, p, n_steps)
+    # a measured eager unroll scales the compiled predictions alike: what the model misses
+    # (the executor's per-step work) is not removed by compiling
+    scale = eager / modelled if eager and modelled > 0 else 1.0
+    eager = modelled if eager is None else eager
     table: list[tuple[int, float, float, bool]] = []
     for k in lengths:
         if k > max(1, n_steps):
@@ -257,7 +261,7 @@ def choose_segment(p: StepProfile, n_steps: int, q: int, d: float, *, mode: Any 
         prof = segment_profile(p, k, q, d, heavy)
         m = -(-n_steps // k)
         rel_k, fits = time_of(prof, m)
-        table.append((k, _absolute(rel_k, prof, m), compile_seconds(k, q), fits))
+        table.append((k, scale * _absolute(rel_k, prof, m), compile_seconds(k, q), fits))
     ok = [row for row in table if row[3]]
     if not ok:
         return SegmentChoice(0, "no segment length fits: eager steps", eager, runs=runs,
