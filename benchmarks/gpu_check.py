@@ -107,12 +107,12 @@ def _row(step, w0, closure, steps: int, budget: int, full: int, dev, compiled: b
     st = deepsolve.UnrollStats()
     w = w0.detach().clone().requires_grad_()
     kw = {"compile": True} if compiled else {}
-    if compiled:  # compile outside the measured row (the first call), then measure
-        y = deepsolve.unroll(step, w, steps, budget=budget, **kw)
-        (y**2).mean().backward()
-        closure.zero_grad(set_to_none=True)
-        del y
     try:
+        if compiled:  # compile outside the measured row (the first call), then measure
+            y = deepsolve.unroll(step, w, steps, budget=budget, **kw)
+            (y**2).mean().backward()
+            closure.zero_grad(set_to_none=True)
+            del y
         t0 = time.perf_counter()
         with MemoryMeter(dev, stats=st) as m:
             y = deepsolve.unroll(step, w, steps, budget=budget, stats=st, **kw)
@@ -120,8 +120,8 @@ def _row(step, w0, closure, steps: int, budget: int, full: int, dev, compiled: b
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         wall = time.perf_counter() - t0
-    except deepsolve.BudgetError as e:
-        print(f"| {budget / 2**20:.0f} MiB | BudgetError: {e} | | | | | | |")
+    except deepsolve.BudgetError as e:  # below the minimum, or (compiled, on the CPU) the
+        print(f"| {budget / 2**20:.0f} MiB | BudgetError: {e} | | | | | | |")  # compiler's
         return None
     # the real peak: CUDA's allocator peak, or the process's RSS high-water mark above its
     # resident size on entry (allowed 1.05 x budget + 8 MiB for pages and heap slack)

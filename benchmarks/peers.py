@@ -377,7 +377,9 @@ def main() -> None:
             cold = r["first"]
             warmc = r.get("first_warm_cache")
             first = f"{cold:.2f}" + (f" / {warmc:.2f}" if warmc is not None else "")
-            rows.append((name, m + (f" (k={seg})" if m in ("compile", "auto20") else ""),
+            label = f" (k={seg})" if m == "compile" or (m == "auto20" and r["compile_time"]
+                                                         or seg != 1) else ""
+            rows.append((name, m + (label or (" (eager)" if m == "auto20" else "")),
                          f"{r['warm']:.3f}", vs, first, vs_first, r20, vs20,
                          f"{r['rss']:.0f}", f"{err:.1e}"))
     head = ("workload", "method", "time [s]", "/ diffrax", "first call [s]", "/ diffrax",
