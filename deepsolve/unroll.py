@@ -16,8 +16,15 @@ from typing import Any, cast
 import torch
 from torch.utils import _pytree as pytree
 
-from .engine import HostStorage, UnrollStats, check_truncate, execute
-from .engine.segments import Segments, segments, step_identity
+from .engine import (
+    HostStorage,
+    Segments,
+    UnrollStats,
+    check_truncate,
+    execute,
+    segments,
+    step_identity,
+)
 from .memory import BudgetError, device_capacity, format_bytes
 from .memory.agree import agree_min, agree_profile
 from .memory.budget import parse_budget

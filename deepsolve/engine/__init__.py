@@ -12,6 +12,9 @@ One concept per module, each depending only on those listed before it:
   (:class:`Storage`, :class:`HostStorage`).
 * :mod:`~deepsolve.engine.reversal` — the inverse of a reversible step, checked on the first
   step pair, and the drift of rebuilt states (:class:`Reversal`).
+* :mod:`~deepsolve.engine.segments` — compiled step segments: ``k`` steps as one compiled
+  step of a shorter chain (:class:`Segments`), checked against the eager steps at the first
+  call.
 * :mod:`~deepsolve.engine.interpreter` — the one action interpreter
   (:class:`Interpreter`) that :func:`deepsolve.unroll` and :func:`deepsolve.sequential` drive.
 * :mod:`~deepsolve.engine.executor` — :func:`execute`, the unroll's autograd Function.
@@ -46,6 +49,7 @@ from .policies import (
 )
 from .replay import Autocast, Replay, autocast_state, cuda_devices, get_rng, set_rng
 from .reversal import ON_DRIFT, ReconstructionError, Reversal, default_tolerance, relative_error
+from .segments import INDEX, CompileError, Segments, segment_count, segments, step_identity
 from .state import Step, codec, flatten_state, is_diff, spec_str, unflatten
 from .storage import (
     POOL_BELOW,
@@ -58,6 +62,7 @@ from .storage import (
 )
 
 __all__ = [
+    "CompileError", "INDEX", "Segments", "segment_count", "segments", "step_identity",
     "Autocast", "CompiledPolicy", "ON_DRIFT", "EXPENSIVE_OPS", "GradSum", "HostStorage",
     "Interpreter",
     "Misfit", "POLICIES", "POOL_BELOW", "ReconstructionError", "Recorder", "Replay", "Reversal",
