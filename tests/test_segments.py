@@ -194,9 +194,10 @@ def test_budget_plans_the_compiled_segment(problem):
                                        stats=stats)), (F, y0))
     plan = stats.extra["plan"]
     assert plan.segment is not None and plan.segment.k == stats.segment
-    # the compiler's resident host memory is taken off the budget the schedule plans with
+    # the compiler's resident host memory (its first compile in this process: 0 when another
+    # test loaded it already) is taken off the budget the schedule plans with
     lib = stats.extra["compiler_memory"]
-    assert lib > 0 and plan.budget == 2**30 - lib
+    assert lib >= 0 and plan.budget == 2**30 - lib
     assert plan.predicted_peak <= plan.budget
     assert f"compiled segments of {stats.segment}" in stats.explain()
     assert_close(g, eager_grads(step, y0, F, 40), 1e-10)
