@@ -52,6 +52,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .replay import cuda_devices, get_rng, set_rng
+from .state import returns_output
 
 __all__ = ["Segments", "segments", "CompileError", "INDEX", "segment_count", "step_identity"]
 
@@ -297,10 +298,8 @@ class Segments:
                 res = self.step(state, start)
         finally:
             set_rng(rng, cuda)
-        if not (isinstance(res, tuple) and len(res) == 2):
-            return False
-        return pytree.tree_structure(res[0]) == pytree.tree_structure(state) and \
-            pytree.tree_structure(state) != pytree.tree_structure(res)
+        spec = pytree.tree_structure(state)
+        return returns_output(res, lambda x: pytree.tree_structure(x) == spec)
 
     def _compile(self, length: int, cuda: bool = False) -> Callable:
         """``torch.compile`` of the ``length``-step segment; on CUDA under CUDA graphs

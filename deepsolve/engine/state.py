@@ -86,6 +86,12 @@ def codec(spec: Any) -> tuple[Callable[[Any], list | None], Callable[[list], Any
     return flatten_tree, (lambda leaves: pytree.tree_unflatten(list(leaves), spec))
 
 
+def returns_output(res: Any, is_state: Callable[[Any], bool]) -> bool:
+    """Whether a step's first result is ``(next_state, output)``: not a state itself, but a
+    2-tuple whose first element is one (``is_state``)."""
+    return not is_state(res) and isinstance(res, tuple) and len(res) == 2 and is_state(res[0])
+
+
 class Step:
     """Calls the user's step on flat leaves and checks what comes back.
 
@@ -172,8 +178,7 @@ class Step:
                                "not x *= a or x.mul_(a)), since the unroll restores and "
                                "recomputes states from snapshots")
         if self.has_output is None:
-            self.has_output = not self._matches(res) and isinstance(res, tuple) and \
-                len(res) == 2 and self._matches(res[0])
+            self.has_output = returns_output(res, self._matches)
         if self.has_output:
             if not (isinstance(res, tuple) and len(res) == 2):
                 raise TypeError(f"unroll: step {i} must return (next_state, output) "
