@@ -15,7 +15,10 @@ takes as given (``step``, ``x0``, a network). A stale example fails here.
 from __future__ import annotations
 
 import re
+import sys
 import textwrap
+import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -145,7 +148,10 @@ def test_python_blocks_run(path: Path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     import matplotlib
     matplotlib.use("Agg")
-    ns: dict = {"__name__": "__doc__"}
+    # a real module: torch.compile looks the block's globals up in sys.modules by __name__
+    block = types.ModuleType("deepsolve_docs_block")
+    monkeypatch.setitem(sys.modules, block.__name__, block)
+    ns: dict = block.__dict__
     exec(compile(PRELUDES.get(rel, ""), f"{rel}:prelude", "exec"), ns)
     ran = 0
     for line, marker, code in blocks:
@@ -155,7 +161,9 @@ def test_python_blocks_run(path: Path, tmp_path, monkeypatch):
             if key in code:
                 exec(compile(setup, f"{rel}:before {line}", "exec"), ns)
         try:
-            exec(compile(code, f"{rel}:{line}", "exec"), ns)
+            with warnings.catch_warnings():  # a doc example that silently falls back is wrong
+                warnings.filterwarnings("error", message=".*running it eagerly")
+                exec(compile(code, f"{rel}:{line}", "exec"), ns)
         except Exception as e:
             raise AssertionError(f"{rel}:{line}: the block fails: {type(e).__name__}: {e}") from e
         ran += 1
