@@ -1,6 +1,7 @@
 """deepsolve beside its peers on unrolled solvers: diffrax (JAX), plain autograd and
 torch.utils.checkpoint, eager and with compiled segments.
 
+    .venv/bin/pip install -e '.[bench]' && .venv/bin/python benchmarks/peers.py
     .venv/bin/python benchmarks/peers.py --jax-python /path/to/python-with-jax-and-diffrax
     .venv/bin/python benchmarks/peers.py --workloads ode pde4k --repeats 3
     .venv/bin/python benchmarks/peers.py --quick            # tiny sizes: does it all run?

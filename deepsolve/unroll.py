@@ -36,11 +36,11 @@ from .memory.segments import (
     COMPILER_ESTIMATE,
     HORIZON,
     SEGMENT_LENGTHS,
+    CompilerProbe,
     SegmentChoice,
     choose_segment,
     compiler_memory,
     dispatch_cost,
-    measure_compiler,
 )
 from .memory.strategies import Budget, Online, Reversible, StoreAll, Strategy, as_strategy
 from .schedules import Schedule, online, revolve, store_all
@@ -284,6 +284,7 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
               or (stats is not None and stats.adjoint_norms is not False)
               or isinstance(how, Schedule) or getattr(how, "kind", None) == "reversible")
     choice = None
+    probe = CompilerProbe() if torch.is_grad_enabled() else None  # before the choice of k
     if mode is not True and isinstance(mode, int):
         k = 1 if single else mode
     elif n_steps is None or n_steps == 0 or not torch.is_grad_enabled():
@@ -305,7 +306,8 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
                 return _EAGER
             if rec.choice is not None:  # compiled already: keep its k (a new k recompiles)
                 return _segment_with(step, state, n_steps, rec.choice.k, rec.choice, mode,
-                                     until=until, truncate=truncate, stats=stats, **kw)
+                                     probe, until=until, truncate=truncate, stats=stats,
+                                     **kw)
             measured = rec.last.forward_time + rec.last.backward_time
             runs = rec.calls - 1 if runs is None else max(runs - rec.calls + 1, 1)
         choice = _choose_k(step, state, n_steps, mode, runs or HORIZON, kw,
@@ -316,13 +318,14 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
                 rec.last = stats  # measure again: the next call decides with one run fewer
             else:
                 rec.choice = choice
-    return _segment_with(step, state, n_steps, k, choice, mode, until=until,
+    return _segment_with(step, state, n_steps, k, choice, mode, probe, until=until,
                          truncate=truncate, stats=stats, **kw)
 
 
-def _segment_with(step, state, n_steps, k: int, choice, mode, *, until, truncate, stats,
-                  **kw) -> Any:
-    """``unroll`` over segments of ``k`` steps (``0``: :data:`_EAGER`)."""
+def _segment_with(step, state, n_steps, k: int, choice, mode, probe: CompilerProbe | None, *,
+                  until, truncate, stats, **kw) -> Any:
+    """``unroll`` over segments of ``k`` steps (``0``: :data:`_EAGER`); ``probe`` (started
+    before the choice of ``k``) measures the process's first compiled preparation."""
     if k == 0:
         if stats is not None and choice is not None:
             stats.extra["compile"] = choice
@@ -342,9 +345,14 @@ def _segment_with(step, state, n_steps, k: int, choice, mode, *, until, truncate
         return _EAGER
     seg = segments(step, k, n_steps if until is None else None, has_output=kw["has_output"],
                    strict=mode != "auto")
+    if kw["policy"] is None:  # the compiled backward keeps what the compiler chose to save:
+        kw = {**kw, "policy": "none"}  # recomputation policies are not weighed
     if torch.is_grad_enabled():
-        if not seg.ready:  # compile before the unroll (and its profile); measured once
-            resident, peak = measure_compiler(lambda: _warm(seg, state))
+        if not seg.ready:  # compile before the unroll (and profile the segment)
+            _warm(seg, state)
+        if probe is not None and probe.active:  # the first compiled preparation: measured
+            profile_step(seg, state, params=kw["params"])  # cached for the plan
+            resident, peak = probe.finish()
         else:
             resident, peak = compiler_memory() or (0, 0)
         if budgeted is not None:

@@ -203,6 +203,40 @@ def test_budget_plans_the_compiled_segment(problem):
     assert_close(g, eager_grads(step, y0, F, 40), 1e-10)
 
 
+def test_compiled_segments_weigh_no_recomputation_policies(problem, monkeypatch):
+    # a compiled backward keeps what the compiler chose to save: a policy's profile fails on
+    # the segment and costs host memory, so a budget that weighs policies for the eager step
+    # does not profile the compiled segment under them
+    import deepsolve.memory.planner as planner
+    import deepsolve.memory.segments as ms
+    step, F, y0 = problem
+    monkeypatch.setattr(ms, "_compiler", {"resident": 0, "peak": 0})
+    monkeypatch.setattr(planner, "affordable", lambda budget: True)  # weigh them here
+    monkeypatch.setattr(planner, "load_policy_machinery", lambda: 0)
+    profiled = []
+    real_profile = planner.profile_step
+
+    def profile_step(*a, **kw):
+        profiled.append(kw.get("policy"))
+        return real_profile(*a, **kw)
+
+    monkeypatch.setattr(planner, "profile_step", profile_step)
+    full = deepsolve.plan(step, y0, 40, budget="1GiB").predicted_peak
+    grads(loss_of(deepsolve.unroll(step, y0, 40, budget=full // 3)), (F, y0))
+    assert [p for p in profiled if p is not None]  # the eager step: policies weighed
+    n = 400  # a compiled tape is smaller: a longer chain for a budget below store-all
+    st = deepsolve.UnrollStats()
+    deepsolve.unroll(step, y0, n, budget="1GiB", compile=K, stats=st)
+    store_all = st.extra["plan"].predicted_peak
+    profiled.clear()
+    st = deepsolve.UnrollStats()
+    g = grads(loss_of(deepsolve.unroll(step, y0, n, budget=store_all // 2, compile=K,
+                                       stats=st)), (F, y0))
+    assert st.extra["plan"].strategy.kind != "store_all"
+    assert profiled and not [p for p in profiled if p is not None], profiled
+    assert_close(g, eager_grads(step, y0, F, n), 1e-10)
+
+
 def test_a_budget_too_small_for_the_compiler(problem, monkeypatch):
     step, _, y0 = problem
     # the figure this process measured at its first compile (0 when a compile outside
