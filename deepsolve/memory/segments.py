@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import EXPENSIVE_OPS, cuda_devices, get_rng, set_rng
-from .meter import process_status, reset_high_water_mark
+from .meter import process_status
 from .profiling import StepProfile
 
 __all__ = ["SegmentChoice", "Dispatch", "choose_segment", "dispatch_cost", "segment_profile",
@@ -79,26 +79,30 @@ class CompilerProbe:
     Started before the unroll prepares its compiled path (the choice of ``k``, which profiles
     and counts the eager step) and finished after the first segment is compiled and
     profiled: what that preparation leaves resident (growth of ``VmRSS``) and its transient
-    peak above the resident size at the start (growth of ``VmHWM``, reset first where
-    permitted), each rounded up to a MiB, are kept for the process
-    (:func:`compiler_memory`). Later compiles keep the first figures, so that a warmed call
-    plans as the first did (as :mod:`~deepsolve.memory.library` does for the policy
-    machinery). Measured on the 64x64 Navier–Stokes step (float64, CPU): 60 MiB for the
-    choice, 80 MiB for the compile, 40 MiB for the segment's first profile.
+    peak above the resident size at the start, each rounded up to a MiB, are kept for the
+    process (:func:`compiler_memory`). Later compiles keep the first figures, so that a
+    warmed call plans as the first did (as :mod:`~deepsolve.memory.library` does for the
+    policy machinery). Measured on the 64x64 Navier–Stokes step (float64, CPU): 60 MiB for
+    the choice, 80 MiB for the compile, 40 MiB for the segment's first profile.
+
+    The high-water mark is read, never reset: a caller's own meter around the unroll (the
+    trainer's per-iteration real peak) keeps what it measured before the compile. The peak
+    is exact when the preparation raised the mark (a fresh process); when an earlier peak
+    of the process stays above it, the resident growth stands in for it.
     """
 
     def __init__(self) -> None:
         self.active = not _compiler
         if self.active:
             self.before = process_status("VmRSS:")
-            self.fresh = reset_high_water_mark()
+            self.mark = process_status("VmHWM:")
 
     def finish(self) -> tuple[int, int]:
         """Record the figures (once per process) and return :func:`compiler_memory`."""
         if self.active and not _compiler:
             resident = max(process_status("VmRSS:") - self.before, 0)
-            peak = (max(process_status("VmHWM:") - self.before, resident) if self.fresh
-                    else resident)
+            mark = process_status("VmHWM:")
+            peak = max(mark - self.before, resident) if mark > self.mark else resident
             _compiler["resident"] = -(-resident // 2**20) * 2**20
             _compiler["peak"] = -(-peak // 2**20) * 2**20
         got = compiler_memory()
