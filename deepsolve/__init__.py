@@ -26,15 +26,8 @@ Public surface:
 
 import sys as _sys
 
-
-def _cli_start() -> bool:
-    """Whether this import starts the command line (``python -m deepsolve`` or the
-    ``deepsolve`` script), where a Ctrl-C during it gets one line, not a traceback."""
-    argv = getattr(_sys, "orig_argv", None) or []
-    if "-m" in argv[:-1]:
-        return argv[argv.index("-m") + 1] == "deepsolve"
-    return bool(_sys.argv) and _sys.argv[0].rsplit("/", 1)[-1] == "deepsolve"
-
+from ._process import cli_start as _cli_start
+from ._version import __version__
 
 try:
     from . import reversible, schedules
@@ -71,8 +64,6 @@ except KeyboardInterrupt:
         raise
     print("deepsolve: interrupted", file=_sys.stderr)
     raise SystemExit(130) from None
-
-__version__ = "0.1.0"
 
 __all__ = [
     "schedules", "unroll", "UnrollStats", "CompiledPolicy", "plan", "Plan", "BudgetError",

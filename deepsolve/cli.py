@@ -120,7 +120,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from .gradcheck import check_problem
+    from .training.check import check_problem
 
     overrides = {k: getattr(args, k) for k in ("budget", "snapshots", "device", "dtype", "seed",
                                                "threads")}
@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train through long iterative computations with checkpointed, "
         "memory-bounded exact gradients.",
     )
-    from . import __version__
+    from ._version import __version__
 
     p.add_argument("--version", action="version", version=f"deepsolve {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")

@@ -48,11 +48,11 @@ What is compared, and when the check fails (``.ok`` is ``False``, ``.problems`` 
 summation-order rounding (float64 runs agree to ~1e-15). ``snapshot_dtype=`` in the keyword
 arguments makes the run inexact by design; give a looser ``rtol`` then.
 
-``python -m deepsolve check PROBLEM.py`` (:func:`check_problem`) builds the problem as
-``train`` would, captures its first ``ctx.unroll`` call (step, ``x0``, the run's
-``budget``/``snapshots``) and checks its first ``--steps`` steps (default 20). A problem that
-does not unroll (the PINN files) gets the residual check of :func:`check_problem`. See
-docs/check.md.
+``python -m deepsolve check PROBLEM.py`` (:mod:`deepsolve.training.check`, built on this
+module) builds the problem as ``train`` would, captures its first ``ctx.unroll`` call (step,
+``x0``, the run's ``budget``/``snapshots``) and checks its first ``--steps`` steps (default
+20). A problem that does not unroll (the PINN files) gets the residual check of that
+command. See docs/check.md.
 """
 
 from __future__ import annotations
@@ -74,11 +74,8 @@ from .unroll import UnrollStats, unroll
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from .config import RunConfig
-    from .problem import UnrollRequest
 
-__all__ = ["check_gradients", "GradientCheck", "GradientRow", "check_problem",
-           "DEFAULT_STEPS"]
+__all__ = ["check_gradients", "GradientCheck", "GradientRow", "DEFAULT_STEPS"]
 
 #: Horizon of ``deepsolve check`` when ``--steps`` is not given.
 DEFAULT_STEPS = 20
@@ -86,11 +83,11 @@ DEFAULT_STEPS = 20
 _RTOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 1e-2,
          torch.complex128: 1e-9, torch.complex64: 1e-4}
 #: Gradients smaller than this fraction of the largest are compared in absolute terms.
-_FLOOR = 1e-3
+FLOOR = 1e-3
 _PRECISION = [torch.float16, torch.bfloat16, torch.float32, torch.complex64, torch.float64,
               torch.complex128]
 
-_ADVICE = ("draw from torch's generator instead (torch.randn/rand/randint/dropout on the "
+ADVICE = ("draw from torch's generator instead (torch.randn/rand/randint/dropout on the "
            "default generator: unroll snapshots its state with every stored state and replays "
            "it), or from a generator seeded inside the step from the step index "
            "(torch.Generator().manual_seed(seed + i), np.random.default_rng(seed + i))")
@@ -131,7 +128,7 @@ class GradientRow:
 
 @dataclass
 class GradientCheck:
-    """What :func:`check_gradients` (or :func:`check_problem`) found; ``str()`` or
+    """What :func:`check_gradients` (or ``deepsolve check``) found; ``str()`` or
     :meth:`table` gives the printable table.
 
     Attributes:
@@ -181,11 +178,11 @@ class GradientCheck:
                      _num(r.ref_norm) if r.reached else "not reached"]
             for lb in labels:
                 cells.append("error" if lb in self.failed else
-                             "missing" if lb in r.missing else _err(r.errors.get(lb)))
-            cells.append(_err(r.replay))
+                             "missing" if lb in r.missing else format_error(r.errors.get(lb)))
+            cells.append(format_error(r.replay))
             body.append(cells)
         body.append(["(result)", "", "",
-                     *["error" if lb in self.failed else _err(self.forward.get(lb))
+                     *["error" if lb in self.failed else format_error(self.forward.get(lb))
                        for lb in labels], ""])
         widths = [max(len(row[c]) for row in [head, *body]) for c in range(len(head))]
         fmt = "  ".join(f"{{:<{w}}}" if c < 2 else f"{{:>{w}}}" for c, w in enumerate(widths))
@@ -208,12 +205,12 @@ class GradientCheck:
         return self.table()
 
 
-def _zero_note(rows: list[GradientRow], reference: str) -> list[str]:
+def zero_note(rows: list[GradientRow], reference: str) -> list[str]:
     """The note on tensors whose reference gradient is identically zero."""
     zero = [r.name for r in rows if r.reached and r.ref_norm == 0]
     if not zero:
         return []
-    return [f"{_list(zero)}: the {reference} gradient is identically zero, so "
+    return [f"{name_list(zero)}: the {reference} gradient is identically zero, so "
             f"{'these are' if len(zero) > 1 else 'this is'} not checked (a zero compared with "
             "a zero). Nothing flows back to them from this loss at these parameter values: "
             "typically a layer after them starts at zero (a closure whose last layer is "
@@ -227,7 +224,7 @@ def _num(x: float) -> str:
     return "nan" if x != x else f"{x:.3e}"
 
 
-def _err(e: float | None) -> str:
+def format_error(e: float | None) -> str:
     if e is None:
         return "-"
     if e == 0:
@@ -240,21 +237,21 @@ def _err(e: float | None) -> str:
 
 
 @dataclass
-class _RNG:
+class RngState:
     torch: Tensor  # (a field named `torch` hides the module in the class body)
     cuda: list[Tensor] | None
     random: Any
     numpy: dict
 
 
-def _rng_get() -> _RNG:
+def rng_get() -> RngState:
     cuda = (torch.cuda.get_rng_state_all()
             if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
-    return _RNG(torch.get_rng_state(), cuda, random.getstate(),
+    return RngState(torch.get_rng_state(), cuda, random.getstate(),
                 np.random.get_state(legacy=False))
 
 
-def _rng_set(s: _RNG) -> None:
+def rng_set(s: RngState) -> None:
     torch.set_rng_state(s.torch)
     if s.cuda is not None:
         torch.cuda.set_rng_state_all(s.cuda)
@@ -262,7 +259,7 @@ def _rng_set(s: _RNG) -> None:
     np.random.set_state(s.numpy)
 
 
-def _escaped(before: _RNG, after: _RNG) -> list[str]:
+def escaped_generators(before: RngState, after: RngState) -> list[str]:
     """The generators outside torch whose state differs between ``before`` and ``after``."""
     out = []
     if before.random != after.random:
@@ -340,7 +337,7 @@ def _graph_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def _rel(a: torch.Tensor | None, b: torch.Tensor | None, floor: float) -> float:
+def relative_error(a: torch.Tensor | None, b: torch.Tensor | None, floor: float) -> float:
     """``||a - b|| / max(||b||, floor)``; ``inf`` when exactly one is absent (or zero while
     the other is not)."""
     if a is None and b is None:
@@ -367,14 +364,14 @@ def _forward_diff(ys: list, refs: list) -> float:
             continue
         if y.shape != r.shape or y.dtype != r.dtype:
             return math.inf
-        e = _rel(y, r, 0.0)
+        e = relative_error(y, r, 0.0)
         if e != e:
             return e
         out = max(out, e)
     return out
 
 
-def _default_rtol(x0_leaves: list[torch.Tensor]) -> float:
+def default_rtol(x0_leaves: list[torch.Tensor]) -> float:
     dts = [t.dtype for t in x0_leaves if _floating(t)]
     if not dts:
         return 1e-4
@@ -385,7 +382,7 @@ def _default_rtol(x0_leaves: list[torch.Tensor]) -> float:
 # --------------------------------------------------------------------------------------
 # check_gradients
 
-_SCHEDULE_KW = ("budget", "snapshots", "schedule", "offload", "spill_dir")
+SCHEDULE_KW = ("budget", "snapshots", "schedule", "offload", "spill_dir")
 
 
 def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
@@ -436,7 +433,7 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
     x0c = leaves_in[0] if spec is None else pytree.tree_unflatten(leaves_in, spec)
     x0_inputs = [(name, t) for name, t in zip(_x0_names(x0), leaves_in, strict=True)
                  if _floating(t)]
-    tol = float(rtol) if rtol is not None else _default_rtol(x0_leaves)
+    tol = float(rtol) if rtol is not None else default_rtol(x0_leaves)
 
     names: dict[int, str] = {}
     extra: list[torch.Tensor] = []
@@ -452,7 +449,7 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
             names.setdefault(id(param), pname)
     extra.extend(p for p in (unroll_kwargs.get("params") or []) if isinstance(p, torch.Tensor))
 
-    base = {k: v for k, v in unroll_kwargs.items() if k not in _SCHEDULE_KW}
+    base = {k: v for k, v in unroll_kwargs.items() if k not in SCHEDULE_KW}
     runs: list[tuple[str, dict]] = [("run", dict(unroll_kwargs))]
     for a in also:
         if isinstance(a, Schedule):
@@ -466,11 +463,11 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
                              f"objects, got {a!r}")
     ref_kw = {k: v for k, v in base.items() if k in ("params", "has_output")}
 
-    rng0 = _rng_get()
+    rng0 = rng_get()
     escaped: dict[str, list[str]] = {}
     try:
         # the reference: plain autograd through the recorded graph
-        _rng_set(rng0)
+        rng_set(rng0)
         stats = UnrollStats()
         res = unroll(step, x0c, n_steps, schedule="store_all", stats=stats, **ref_kw)
         loss = _projection(res)
@@ -492,8 +489,8 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
             inputs.append((name, p))
         tensors = [t for _, t in inputs]
         need = [t.requires_grad for t in tensors]
-        ref_grads = _grad(loss, tensors, need)
-        if esc := _escaped(rng0, _rng_get()):
+        ref_grads = grad_of(loss, tensors, need)
+        if esc := escaped_generators(rng0, rng_get()):
             escaped["store_all"] = esc
         del res, loss
 
@@ -503,14 +500,14 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
         for label, kw in runs:
             results[label] = []
             for _ in range(2):
-                _rng_set(rng0)
+                rng_set(rng0)
                 stats = UnrollStats()
                 try:
                     res = unroll(step, x0c, n_steps, stats=stats, **kw)
                     loss = _projection(res)
                     values = [y.detach().clone() if _floating(y) else None
                               for y in _leaves(res)]
-                    grads = (_grad(loss, tensors, need) if loss is not None
+                    grads = (grad_of(loss, tensors, need) if loss is not None
                              else [None] * len(need))
                 except BudgetError:  # the run's budget does not fit: bad input, not a finding
                     raise
@@ -518,17 +515,17 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
                     text = str(e).splitlines()[0] if str(e) else ""
                     failed[label] = f"{type(e).__name__}: {text}".rstrip(": ")
                     schedules[label] = stats.schedule or ", ".join(
-                        f"{k}={v!r}" for k, v in kw.items() if k in _SCHEDULE_KW) or "?"
+                        f"{k}={v!r}" for k, v in kw.items() if k in SCHEDULE_KW) or "?"
                     del results[label]
                     break
                 finally:
-                    if esc := _escaped(rng0, _rng_get()):
+                    if esc := escaped_generators(rng0, rng_get()):
                         escaped.setdefault(label, esc)
                 results[label].append((values, grads))
                 schedules[label] = stats.schedule or "?"
                 del res, loss
     finally:
-        _rng_set(rng0)
+        rng_set(rng0)
 
     # drop extra schedules that are the run's own
     for label in [lb for lb in schedules if lb != "run"]:
@@ -539,25 +536,25 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
 
     finite_norms = [float(g.detach().double().norm()) for g in ref_grads if g is not None]
     big = max([n for n in finite_norms if math.isfinite(n)] or [0.0])
-    floor = _FLOOR * big
+    floor = FLOOR * big
     rows = []
     for j, (name, t) in enumerate(inputs):
         g_ref = ref_grads[j]
         ref_norm = float(g_ref.detach().double().norm()) if g_ref is not None else 0.0
         row = GradientRow(name, tuple(t.shape), ref_norm, reached=g_ref is not None)
         for label, ((_, g1), (_, g2)) in results.items():
-            err = _rel(g1[j], g_ref, floor)
+            err = relative_error(g1[j], g_ref, floor)
             row.errors[label] = err
             if g1[j] is None and g_ref is not None and ref_norm > 0:
                 row.missing.append(label)
-            row.replay = max(row.replay, _rel(g2[j], g1[j], floor))
+            row.replay = max(row.replay, relative_error(g2[j], g1[j], floor))
         rows.append(row)
     forward = {label: max(_forward_diff(v1, ref_values), _forward_diff(v2, v1))
                for label, ((v1, _), (v2, _)) in results.items()}
 
     problems: list[str] = []
     notes: list[str] = []
-    advice = _ADVICE
+    advice = ADVICE
     for label, msg in failed.items():
         problems.append(f"{label} ({schedules[label]}): the unroll failed where store_all ran: "
                         f"{msg}")
@@ -565,15 +562,15 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
         srcs = sorted({s for v in escaped.values() for s in v})
         problems.append(f"the step draws from {' and '.join(srcs)} (its state changed during "
                         "the unroll), which unroll does not snapshot: recomputed steps draw "
-                        f"other numbers and checkpointed gradients are wrong; {_ADVICE}")
+                        f"other numbers and checkpointed gradients are wrong; {ADVICE}")
         advice = "see above"
     bad_ref = [r.name for r in rows if not math.isfinite(r.ref_norm)]
     if bad_ref:
-        problems.append(f"the reference (store_all) gradient of {_list(bad_ref)} is not finite: "
-                        "the step itself overflows or divides by zero at this horizon")
-    fwd = [f"{lb} ({_err(f)})" for lb, f in forward.items() if not f <= tol]
+        problems.append(f"the reference (store_all) gradient of {name_list(bad_ref)} is not "
+                        "finite: the step itself overflows or divides by zero at this horizon")
+    fwd = [f"{lb} ({format_error(f)})" for lb, f in forward.items() if not f <= tol]
     if fwd:
-        problems.append(f"the result of {_list(fwd)} differs from store_all's or between two "
+        problems.append(f"the result of {name_list(fwd)} differs from store_all's or between two "
                         "runs although every run starts from the same RNG states: the step is "
                         "not a deterministic function of (state, i) and torch's RNG (it draws "
                         "from a torch.Generator object, numpy, Python's random or the clock, "
@@ -582,27 +579,27 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
     for r in rows:
         if r.missing:
             problems.append(
-                f"{r.name} gets no gradient under {_list(r.missing)} (store_all's has norm "
+                f"{r.name} gets no gradient under {name_list(r.missing)} (store_all's has norm "
                 f"{_num(r.ref_norm)}): the unroll did not find it (a tensor used only at some "
                 "steps?); pass it with params=[...]")
     wrong = []
     for label in results:
-        bad = [f"{r.name} {_err(r.errors[label])}" for r in rows
+        bad = [f"{r.name} {format_error(r.errors[label])}" for r in rows
                if label not in r.missing and not r.errors[label] <= tol]
         if bad:
-            wrong.append(f"{label}: {_list(bad)}")
+            wrong.append(f"{label}: {name_list(bad)}")
     if wrong:
         problems.append(f"gradients differ from store_all's by more than rtol {tol:.0e}: "
                         + "; ".join(wrong))
     replay = [r.name for r in rows if not r.replay <= tol]
     if replay:
         problems.append(f"two runs of one schedule from the same RNG states give different "
-                        f"gradients of {_list(replay)}: recomputation is not deterministic; "
+                        f"gradients of {name_list(replay)}: recomputation is not deterministic; "
                         f"{advice}")
     unreached = [r.name for r in rows if not r.reached]
     if unreached:
-        notes.append(f"{_list(unreached)}: not reached by the unroll's graph (unused, or acting "
-                     "only through x0, which is computed outside the unroll and whose "
+        notes.append(f"{name_list(unreached)}: not reached by the unroll's graph (unused, or "
+                     "acting only through x0, which is computed outside the unroll and whose "
                      "gradient is compared)")
     if schedules.get("run", "").startswith("store_all"):
         notes.append(f"the run's settings unroll {n_steps} steps with store_all here (nothing "
@@ -610,7 +607,7 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
     if unroll_kwargs.get("snapshot_dtype") is not None:
         notes.append("snapshot_dtype= stores rounded snapshots: those gradients are inexact "
                      "by design")
-    notes += _zero_note(rows, "store_all")
+    notes += zero_note(rows, "store_all")
     out = GradientCheck(ok=not problems, n_steps=n_steps, rtol=tol, reference="store_all",
                         schedules=schedules, rows=rows, forward=forward, problems=problems,
                         notes=notes, failed=failed,
@@ -621,7 +618,7 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
     return out
 
 
-def _grad(loss: torch.Tensor, tensors: list[torch.Tensor], need: list[bool]
+def grad_of(loss: torch.Tensor, tensors: list[torch.Tensor], need: list[bool]
           ) -> list[torch.Tensor | None]:
     idx = [k for k, n in enumerate(need) if n]
     out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -633,222 +630,6 @@ def _grad(loss: torch.Tensor, tensors: list[torch.Tensor], need: list[bool]
     return out
 
 
-def _list(names: list[str], most: int = 5) -> str:
+def name_list(names: list[str], most: int = 5) -> str:
     shown = ", ".join(names[:most])
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-# --------------------------------------------------------------------------------------
-# problem files
-
-
-def check_problem(problem_path: str, *, steps: int | None = None,
-                  sets: list[str] | None = None,
-                  overrides: Mapping[str, Any] | None = None,
-                  rtol: float | None = None) -> GradientCheck:
-    """``deepsolve check PROBLEM.py``: build the problem as ``train`` would (settings,
-    ``--set`` pairs and ``overrides``, seeded), then
-
-    * **a problem that unrolls**: capture its first ``ctx.unroll(step, x0, ...)`` call in
-      ``residuals(ctx, 0)`` with the keyword arguments the run would pass (its ``budget`` or
-      ``snapshots`` setting unless the problem gives a schedule itself) and run
-      :func:`check_gradients` on its first ``steps`` steps (default
-      ``min(DEFAULT_STEPS, the run's steps)``), comparing the gradients of ``x0`` and of
-      every model parameter;
-    * **a problem that does not** (the PINN files): the gradient of its loss at iteration 0
-      (the terms weighted by ``weights(ctx)``) with respect to every model parameter is
-      computed with plain autograd (``residual_budget`` and ``budget`` empty), with the
-      residual chunked and recomputed in backward (``residual_budget``, or ``budget`` where
-      the problem has no ``residual_budget``, set to a quarter of the bytes the plain loss
-      saves for backward: about four chunks) and with the run's own settings, each compared
-      with plain autograd; the run's evaluation runs twice (replay). Tolerances and
-      measures as in :func:`check_gradients`, with the loss value in the ``(result)`` row.
-
-    Returns a :class:`GradientCheck` (``title`` names the problem). One-line
-    ``ValueError`` for a bad ``steps`` or a problem whose unroll has no fixed length.
-    """
-    from .config import run_config
-    from .problem import load_problem
-    from .train import run_threads
-
-    problem0, _ = load_problem(problem_path)
-    cfg = run_config(problem0, overrides, sets)   # every setting checked before the build
-    with run_threads(cfg.threads):
-        return _check_problem(problem_path, cfg, steps, rtol)
-
-
-def _check_problem(problem_path: str, cfg: RunConfig, steps: int | None,
-                   rtol: float | None) -> GradientCheck:
-    from .train import build
-
-    problem, ctx, _ = build(problem_path, cfg)
-    rng0 = _rng_get()
-
-    terms = None
-
-    def residuals():
-        nonlocal terms
-        terms = problem.residuals(ctx, 0)
-
-    req = ctx.first_unroll(residuals)
-    if req is not None:
-        req.options.pop("stats", None)
-        return _check_unroll(problem_path, ctx, req, steps, rtol)
-    res = _check_residuals(problem_path, problem, ctx, cfg, terms, rng0, rtol)
-    if steps is not None:
-        res.notes.append(f"--steps {steps} has no effect: {problem_path} does not unroll")
-    return res
-
-
-def _check_unroll(problem_path: str, ctx, c: UnrollRequest, steps: int | None,
-                  rtol: float | None) -> GradientCheck:
-    if "until" in c.options or c.n_steps is None:
-        raise ValueError(f"{problem_path}: its unroll has no fixed length (until=); check "
-                         "needs a fixed number of steps")
-    n_run = int(c.n_steps)
-    if n_run < 1:
-        raise ValueError(f"{problem_path} unrolls {n_run} steps: nothing to check "
-                         "(give --set steps=N with N >= 1)")
-    if steps is None:
-        steps = min(DEFAULT_STEPS, n_run)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"--steps {steps!r}: expected a whole number >= 1")
-    if steps > n_run:
-        raise ValueError(f"--steps {steps}: {problem_path} unrolls {n_run} steps; check at "
-                         f"most {n_run} (or lengthen the run with --set steps=...)")
-    named = {k: p for k, p in ctx.model.named_parameters() if p.requires_grad}
-    kw = dict(c.options)
-    res = check_gradients(c.step, c.state, steps, wrt=named, rtol=rtol, **kw)
-    how = ", ".join(f"{k}={v!r}" for k, v in kw.items() if k in _SCHEDULE_KW) or "store_all"
-    res.title = (f"deepsolve check {problem_path}: the first {steps} of the run's {n_run} "
-                 f"steps (run settings: {how}), each schedule run twice, against store_all:")
-    return res
-
-
-def _loss_and_grads(problem, ctx, terms, weights: Mapping[str, float],
-                    params: list[torch.Tensor]) -> tuple[float, list[torch.Tensor | None]]:
-    loss = sum(float(weights.get(k, 1.0)) * v for k, v in terms.items())
-    if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
-        raise ValueError("the problem's loss does not depend on its model's parameters: "
-                         "nothing to check")
-    return float(loss.detach()), _grad(loss, params, [True] * len(params))
-
-
-def _evaluate(problem, ctx, rng0: _RNG) -> tuple[dict, int, list[str]]:
-    from .pinn import SavedBytes
-
-    _rng_set(rng0)
-    with SavedBytes() as meter:
-        terms = problem.residuals(ctx, 0)
-        saved = meter.peak
-    return terms, saved, _escaped(rng0, _rng_get())
-
-
-def _check_residuals(problem_path: str, problem, ctx, cfg: RunConfig, terms0, rng0: _RNG,
-                     rtol: float | None) -> GradientCheck:
-    from .train import build
-
-    named = [(k, p) for k, p in ctx.model.named_parameters() if p.requires_grad]
-    params = [p for _, p in named]
-    weights = dict(problem.weights(ctx) or {})
-    tol = float(rtol) if rtol is not None else _default_rtol(params)
-    keys = [k for k in ("residual_budget", "budget") if k in cfg]
-    run_chunks = any(str(cfg[k]) for k in keys)
-    escaped: set[str] = set()
-    try:
-        loss_run, g_run = _loss_and_grads(problem, ctx, terms0, weights, params)
-        del terms0
-        terms, saved_run, esc = _evaluate(problem, ctx, rng0)
-        escaped.update(esc)
-        loss_replay, g_replay = _loss_and_grads(problem, ctx, terms, weights, params)
-        del terms
-
-        def other(settings: dict) -> tuple[float, list, int]:
-            prob2, ctx2, _ = build(problem_path, cfg.replace(**settings))
-            assert ctx2.model is not None  # build() makes it
-            ctx2.model.load_state_dict(ctx.model.state_dict())
-            p2: list[torch.Tensor] = [p for _, p in ctx2.model.named_parameters()
-                                      if p.requires_grad]
-            t2, saved, esc2 = _evaluate(prob2, ctx2, rng0)
-            escaped.update(esc2)
-            loss, g = _loss_and_grads(prob2, ctx2, t2, weights, p2)
-            return loss, g, saved
-
-        if run_chunks:
-            loss_plain, g_plain, saved_plain = other({k: "" for k in keys})
-        else:
-            loss_plain, g_plain, saved_plain = loss_run, g_run, saved_run
-        key = "residual_budget" if "residual_budget" in cfg else "budget"
-        chunk_budget = f"{max(saved_plain // 4, 1)}B"
-        loss_chunk, g_chunk, saved_chunk = other({**{k: "" for k in keys}, key: chunk_budget})
-    finally:
-        _rng_set(rng0)
-
-    big = max([float(g.double().norm()) for g in g_plain if g is not None] or [0.0])
-    floor = _FLOOR * big
-    labels = {"chunked": (g_chunk, loss_chunk)}
-    if run_chunks:
-        labels = {"run": (g_run, loss_run), **labels}
-    rows = []
-    for k, (name, p) in enumerate(named):
-        ref = g_plain[k]
-        row = GradientRow(name, tuple(p.shape),
-                          float(ref.double().norm()) if ref is not None else 0.0,
-                          reached=ref is not None)
-        for label, (g, _) in labels.items():
-            row.errors[label] = _rel(g[k], ref, floor)
-            if g[k] is None and ref is not None and row.ref_norm > 0:
-                row.missing.append(label)
-        row.replay = _rel(g_replay[k], g_run[k], floor)
-        rows.append(row)
-
-    def lrel(a: float, b: float) -> float:
-        return 0.0 if a == b else abs(a - b) / max(abs(b), 1e-300)
-
-    forward = {label: lrel(v, loss_plain) for label, (_, v) in labels.items()}
-    schedules = {label: "" for label in labels}
-    if run_chunks:
-        schedules["run"] = ("the run's settings: "
-                            + ", ".join(f"{k}={cfg[k]!r}" for k in keys if str(cfg[k])))
-    schedules["chunked"] = (f"{key}={chunk_budget!r} (a quarter of the {saved_plain} bytes the "
-                            f"plain loss saves; {saved_chunk} saved chunked)")
-    problems: list[str] = []
-    notes: list[str] = [f"{problem_path} does not unroll: the residual check compares its "
-                        "loss gradient (iteration 0) under chunked, recomputed residuals with "
-                        "plain autograd"]
-    if saved_plain > 0 and saved_chunk >= 0.75 * saved_plain:
-        notes.append(f"setting {key} did not chunk the loss (it saves {saved_chunk} of "
-                     f"{saved_plain} bytes): nothing is recomputed, so there are no "
-                     "checkpointed gradients to compare; checked that the gradient is "
-                     "deterministic")
-    if escaped:
-        notes.append(f"residuals() draws from {' and '.join(sorted(escaped))}; that is fine "
-                     "outside the residual function, but chunks recomputed in backward do not "
-                     f"replay it: inside it, {_ADVICE}")
-    for label, (_g, v) in labels.items():
-        missing = [r.name for r in rows if label in r.missing]
-        wrong = [f"{r.name} ({_err(r.errors[label])})" for r in rows
-                 if label not in r.missing and not r.errors[label] <= tol]
-        if not forward[label] <= tol:
-            problems.append(f"{label} ({schedules[label]}): the loss is {v!r}, plain autograd "
-                            f"gives {loss_plain!r}")
-        if missing:
-            problems.append(f"{label}: {_list(missing)} get no gradient, plain autograd's is "
-                            "non-zero")
-        if wrong:
-            problems.append(f"{label}: the gradient of {_list(wrong)} differs from plain "
-                            f"autograd's by more than rtol {tol:.0e}")
-    replay = [r.name for r in rows if not r.replay <= tol]
-    if replay or not lrel(loss_replay, loss_run) <= tol:
-        problems.append(f"two evaluations of the loss at iteration 0 give different gradients "
-                        f"of {_list(replay) or 'the loss'}: the loss is not deterministic; "
-                        f"{_ADVICE}")
-    bad = [r.name for r in rows if not math.isfinite(r.ref_norm)]
-    if bad:
-        problems.append(f"the plain-autograd gradient of {_list(bad)} is not finite")
-    notes += _zero_note(rows, "plain-autograd")
-    return GradientCheck(ok=not problems, n_steps=0, rtol=tol, reference="plain autograd",
-                         schedules=schedules, rows=rows, forward=forward, problems=problems,
-                         notes=notes,
-                         title=f"deepsolve check {problem_path}: no unroll; the loss gradient "
-                               "at iteration 0, chunked residuals against plain autograd:")

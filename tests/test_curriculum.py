@@ -96,7 +96,7 @@ def test_the_logged_curve_is_downsampled_to_at_most_curve_width_points():
 
     from deepsolve import UnrollStats
     from deepsolve.io import CURVE_WIDTH
-    from deepsolve.train import _log_adjoint_norms
+    from deepsolve.training.rows import log_adjoint_norms as _log_adjoint_norms
 
     got = {}
 

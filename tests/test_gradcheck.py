@@ -14,7 +14,8 @@ import torch
 
 import deepsolve
 from deepsolve.cli import main
-from deepsolve.gradcheck import GradientCheck, check_gradients, check_problem
+from deepsolve.gradcheck import GradientCheck, check_gradients
+from deepsolve.training.check import check_problem
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

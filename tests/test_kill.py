@@ -41,7 +41,7 @@ ZYGOTE = r"""
 import json, os, signal, sys
 import h5py, torch
 import torch._dynamo  # what torch.optim imports on first use: seconds, so once, here
-import deepsolve.cli, deepsolve.distributed, deepsolve.memory.meter, deepsolve.train
+import deepsolve.cli, deepsolve.distributed, deepsolve.memory.meter, deepsolve.training.run
 from deepsolve.io import h5log
 
 
@@ -78,7 +78,7 @@ def arm(kill):
     os.replace = after("replace", os.replace, replace_restart)
     os.fsync = before("fsync", os.fsync)
     torch.save = before("save", torch.save)
-    deepsolve.train.build = before("build", deepsolve.train.build)
+    deepsolve.training.run.build = before("build", deepsolve.training.run.build)
     return counts
 
 

@@ -113,3 +113,94 @@ def test_the_decomposition_blocks_import_no_layer_above_them(path):
     tree = next(t for rel, t in _modules() if str(rel) == path)
     used = {mod for mod, _, _ in _imports(pathlib.Path(path), tree) if _top(mod) is not None}
     assert used <= ALLOWED_FILES[path], f"{path} imports {sorted(used - ALLOWED_FILES[path])}"
+
+
+# every top-level module or package of deepsolve/ by its floor (docs/design.md): a module
+# imports only from floors below its own (the package root, which re-exports the public
+# names, sits on top; _version and _process are leaves anyone may use)
+FLOORS = [
+    {"_version", "_process", "schedules", "physics"},
+    {"engine"},
+    {"memory"},
+    {"unroll", "sequential", "reversible"},
+    {"fixed_point", "gradcheck", "pinn"},
+    {"io"},
+    {"problem"},
+    {"distributed"},
+    {"config"},
+    {"training"},
+    {"train", "slurm"},
+    {"cli"},
+    {"__main__", "__init__"},
+]
+FLOOR = {name: k for k, names in enumerate(FLOORS) for name in names}
+
+# the training package's modules in their order: each imports only those before it
+TRAINING = ["progress", "signals", "rng", "restart", "rundir", "rows", "prepare", "check",
+            "run", "__init__"]
+
+
+def _target(mod: str, names: list[str]) -> list[str]:
+    """The top-level deepsolve modules an import reaches (``from deepsolve import x``
+    reaches ``x`` where ``x`` is a module)."""
+    top = _top(mod)
+    if top is not None:
+        return [top]
+    if mod == "deepsolve":
+        return [n for n in names if n in FLOOR] or ["__init__"]
+    return []
+
+
+def test_every_module_has_a_floor():
+    tops = {rel.parts[0].removesuffix(".py") for rel, _ in _modules()}
+    assert tops == set(FLOOR), (sorted(tops - set(FLOOR)), sorted(set(FLOOR) - tops))
+
+
+def test_no_import_points_up_or_sideways():
+    bad = []
+    for rel, tree in _modules():
+        here = rel.parts[0].removesuffix(".py")
+        for mod, names, node in _imports(rel, tree):
+            for there in _target(mod, names):
+                if there != here and FLOOR[there] >= FLOOR[here]:
+                    bad.append(f"{rel}:{node.lineno} imports {mod} (floor {FLOOR[there]} from "
+                               f"floor {FLOOR[here]})")
+    assert not bad, "; ".join(bad)
+
+
+def test_the_training_modules_import_only_those_before_them():
+    names = {rel.stem for rel, _ in _modules() if rel.parts[0] == "training"}
+    assert names == set(TRAINING), sorted(names ^ set(TRAINING))
+    bad = []
+    for rel, tree in _modules():
+        if rel.parts[0] != "training":
+            continue
+        for mod, _, node in _imports(rel, tree):
+            parts = mod.split(".")
+            if parts[:2] == ["deepsolve", "training"] and len(parts) > 2:
+                if TRAINING.index(parts[2]) >= TRAINING.index(rel.stem):
+                    bad.append(f"{rel}:{node.lineno} imports {mod}")
+    assert not bad, "; ".join(bad)
+
+
+def test_no_private_function_takes_more_than_eight_parameters():
+    bad = []
+    for rel, tree in _modules():
+        if rel.parts[0] not in ("training", "io"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                    node.name.startswith("_") and not node.name.startswith("__"):
+                a = node.args
+                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - \
+                    (1 if a.args and a.args[0].arg in ("self", "cls") else 0)
+                if n > 8:
+                    bad.append(f"{rel}:{node.lineno} {node.name} takes {n}")
+    assert not bad, "; ".join(bad)
+
+
+def test_each_training_module_is_under_500_lines():
+    long = [f"{rel} ({len(PKG.joinpath(rel).read_text().splitlines())} lines)"
+            for rel, _ in _modules() if rel.parts[0] == "training"
+            and len(PKG.joinpath(rel).read_text().splitlines()) >= 500]
+    assert not long, long

@@ -301,10 +301,10 @@ def test_a_trainer_that_loses_the_lock_does_not_remove_the_winners_directory(tmp
 def test_a_directory_removed_before_it_is_locked_is_made_again(tmp_path, monkeypatch):
     """A failed start removes the directory it made; a trainer that had opened it in the
     meantime must not lock the removed directory and then fail to write its log."""
-    import deepsolve.train as T
+    from deepsolve.training.rundir import RunLock
 
     out = tmp_path / "run"
-    real = T._RunLock.__init__
+    real = RunLock.__init__
     calls = []
 
     def init(self, run_dir, locking):
@@ -313,7 +313,7 @@ def test_a_directory_removed_before_it_is_locked_is_made_again(tmp_path, monkeyp
         if len(calls) == 1:                      # removed under the first lock taken
             os.rmdir(run_dir)
 
-    monkeypatch.setattr(T._RunLock, "__init__", init)
+    monkeypatch.setattr(RunLock, "__init__", init)
     assert train(out, "--iterations", 2) == 0
     assert len(calls) == 2 and iterations(out) == [0, 1]
 

@@ -376,12 +376,12 @@ def test_percent_budget_is_resolved_once_and_logged_in_bytes(tmp_path, monkeypat
 
 def _no_build(monkeypatch):
     """Make the problem's build a test failure: the settings must fail before it."""
-    import deepsolve.train as T
+    import deepsolve.training.run as R
 
     def build(*a, **k):
         raise AssertionError("build was called for an invalid configuration")
 
-    monkeypatch.setattr(T, "build", build)
+    monkeypatch.setattr(R, "build", build)
 
 
 def test_bad_budget_fails_before_any_work_and_leaves_no_directory(tmp_path, capsys,

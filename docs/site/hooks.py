@@ -29,7 +29,7 @@ MODULES = ["deepsolve.schedules", "deepsolve.memory", "deepsolve.reversible",
            "deepsolve.fixed_point",
            "deepsolve.sequential", "deepsolve.pinn", "deepsolve.io", "deepsolve.io.tracking",
            "deepsolve.distributed", "deepsolve.physics", "deepsolve.gradcheck",
-           "deepsolve.problem", "deepsolve.train"]
+           "deepsolve.problem", "deepsolve.training", "deepsolve.training.check"]
 
 
 def _public(module: str) -> list[str]:

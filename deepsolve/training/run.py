@@ -1,0 +1,477 @@
+"""The trainer's loop: :func:`train` starts a run, a :class:`Run` trains it.
+
+``train(problem_path)`` resolves the settings (every one checked before any work,
+:mod:`.prepare`), sets up torch.distributed when the process runs under torchrun, makes and
+locks the run directory and decides the start from what it holds (:mod:`.rundir`), then
+hands over to a :class:`Run`:
+
+1. :meth:`Run.setup` builds the problem (model, data, optimiser, scheduler) and loads the
+   restart file when the run resumes (:mod:`.restart`);
+2. :meth:`Run.open_log` opens the HDF5 log (rank 0; the other ranks write nothing);
+3. the loop (:meth:`Run.train`) calls :meth:`Run.iteration` once per iteration — loss terms,
+   backward, optimiser step, one log row — and :meth:`Run.checkpoint` every
+   ``checkpoint_every`` iterations, at the end, and when a signal asks the run to stop
+   (:mod:`.signals`).
+
+A checkpoint flushes the log to the disk before it publishes the restart file, so the log
+always holds the rows of the restart file's iterations. A fresh run that fails before its
+first row leaves nothing behind: its new log, its TensorBoard directory and the run directory
+it made are removed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from ..config import RunConfig, horizon, parse_curriculum, run_config
+from ..memory.meter import host_high_water_mark, process_status, reset_high_water_mark
+from ..problem import ProblemError, load_problem
+from .prepare import build, check_curriculum, check_mesh, log_attrs, run_threads
+from .progress import note, progress
+from .restart import restore, save_restart
+from .rows import (
+    StatsSum,
+    add_rank_peaks,
+    budget_bytes,
+    check_terms,
+    fit_memory_columns,
+    log_adjoint_norms,
+)
+from .rundir import (
+    RunFiles,
+    RunStart,
+    discard_start,
+    inspect_run_dir,
+    load_restart,
+    make_and_lock,
+    remove_empty_dir,
+    remove_stale_temporaries,
+)
+from .signals import Preemption
+
+__all__ = ["train", "TrainResult", "Run"]
+
+
+@dataclass
+class TrainResult:
+    """What a training run produced."""
+
+    run_dir: str
+    log_path: str
+    restart_path: str
+    iterations: int          # iterations completed in total (including earlier, resumed ones)
+    final_loss: float
+    preempted: bool = False
+    rank: int = 0            # this process's rank in a distributed run (only rank 0 writes)
+    metrics: dict[str, float] = field(default_factory=dict)  # the last evaluate()'s values
+    interrupted: bool = False  # stopped by SIGINT (Ctrl-C): the CLI exits with 130
+
+
+def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
+          sets: list[str] | None = None, out: str | None = None, resume: bool = False,
+          quiet: bool = False, locking: bool | None = None) -> TrainResult:
+    """Train ``problem_path``'s problem; see the module docstring. Returns a
+    :class:`TrainResult`; ``preempted`` is set when a signal stopped the run early.
+
+    Under torchrun (``WORLD_SIZE > 1``) every rank trains on its shard of the batch with
+    averaged gradients, rank 0 alone writes the log and restart files, and a signal on any
+    rank stops all of them after the same iteration (see :mod:`deepsolve.distributed`)."""
+    from .. import distributed as D
+
+    problem0, _ = load_problem(problem_path)
+    # every setting checked and parsed (budget, device, dtype, threads) before any work: a
+    # bad one fails here, and nothing has been made
+    config = run_config(problem0, overrides, sets)
+    with run_threads(config.threads):   # the caller's thread count is restored after
+        dist, device_name = D.setup(config["device"], float(config["dist_timeout"]))
+        try:
+            D.parse_mesh(config["mesh"], dist.world_size)   # a bad mesh fails before the build
+            config = config.on_device(device_name)   # "cuda" -> "cuda:LOCAL_RANK" recorded
+            res = _start(problem_path, config, dist, RunFiles.of(problem_path, out, locking),
+                         resume, quiet)
+            D.barrier(dist)  # the others wait for rank 0's restart file and log
+            return res
+        finally:
+            D.cleanup(dist)
+
+
+def _start(problem_path: str, cfg: RunConfig, dist, files: RunFiles, resume: bool,
+           quiet: bool) -> TrainResult:
+    """Lock the run directory, decide the start (rank 0; the others follow its decision) and
+    run; a start refused on any rank is refused on all."""
+    from .. import distributed as D
+    from .._process import cli_start
+    from ..memory.offload import remove_stale_spill_dirs
+
+    run_dir = files.run_dir
+    # from here on a SIGTERM (or Ctrl-C) stops the run cleanly
+    with Preemption(hard_second=cli_start()) as stop:
+        lock = None
+        created = False
+        err: BaseException | None = None
+        start = RunStart()
+        if dist.is_main:   # rank 0 alone writes, so it alone locks and checks the directory
+            try:
+                if resume and not os.path.isdir(run_dir):
+                    raise ValueError(f"--resume: {run_dir} does not exist, so there is no run "
+                                     "to resume; check --out, or run without --resume for a "
+                                     "fresh run")
+                created, lock = make_and_lock(run_dir, files.locking)
+                remove_stale_temporaries(run_dir, all_of_them=lock.held)
+                remove_stale_spill_dirs()
+                start = inspect_run_dir(run_dir, files.log, files.restart, resume,
+                                        int(cfg["iterations"]))
+            except BaseException as e:
+                err = e
+        try:
+            failed = D.any_rank(dist, err is not None, cfg.device)
+        except BaseException:
+            failed = True
+            if err is None:
+                raise
+        if failed or err is not None:
+            if lock is not None:   # a directory is removed only by the trainer that made it
+                if created:        # and holds its lock (another may have locked it first)
+                    remove_empty_dir(run_dir)
+                lock.release()
+            if err is not None:
+                raise err
+            raise ValueError(f"rank 0 could not start the run in {run_dir} (see its message)")
+        if not dist.is_main and resume and os.path.lexists(files.restart):
+            state = load_restart(files.restart)   # rank 0 has checked it against the log
+            start = RunStart(start=state["iteration"], restart=state)
+        start.created = created
+        try:
+            run = Run(problem_path, cfg, dist, files, start, stop, quiet)
+            run.setup()
+            res = run.train()
+            res.interrupted = stop.interrupted
+            return res
+        finally:
+            if lock is not None:
+                lock.release()
+
+
+class NoLog:
+    """The log of ranks other than 0: they write nothing."""
+
+    columns: list[str] = []
+
+    def append(self, row):
+        pass
+
+    def flush(self, sync: bool = False):
+        pass
+
+    def close(self):
+        pass
+
+    def truncate_after(self, iteration):
+        return 0
+
+    def append_curve(self, *args):
+        pass
+
+
+def mirrored(log, logdir: str, start: int):
+    """The log with its rows mirrored to TensorBoard event files in ``logdir`` (a resumed
+    run hides the events a killed run wrote from ``start`` on)."""
+    from ..io.tracking import MirroredLog, TensorBoardMirror
+
+    try:
+        return MirroredLog(log, TensorBoardMirror(logdir, purge_step=start or None))
+    except BaseException:
+        log.close()
+        raise
+
+
+class Run:
+    """One training run, from its decided start to its last row.
+
+    Args:
+        problem_path: the problem file.
+        cfg: the run's settings, resolved and checked.
+        dist: the process's place in a distributed run (:func:`deepsolve.distributed.setup`).
+        files: the run directory, log and restart file.
+        start: the first iteration and the restart file's contents, as decided from the run
+            directory (:func:`~.rundir.inspect_run_dir`).
+        stop: the signal flag the loop reads after each iteration.
+        quiet: no progress output.
+    """
+
+    def __init__(self, problem_path: str, cfg: RunConfig, dist, files: RunFiles,
+                 start: RunStart, stop: Preemption, quiet: bool = False):
+        self.problem_path, self.cfg, self.dist, self.files = problem_path, cfg, dist, files
+        self.begin, self.stop, self.quiet = start, stop, quiet
+        self.main = dist.is_main
+        self.budget = cfg.budget_bytes
+        self.log: Any = NoLog()
+        self.wrote = {"rows": False, "restart": False}
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Build the problem, its optimiser and scheduler; load the restart file when the
+        run resumes; evaluate the model as built (the metric names fix the log's columns).
+        A failure removes the run directory this trainer made (if still empty)."""
+        from .. import distributed as D
+
+        cfg, dist = self.cfg, self.dist
+        try:
+            problem, ctx, sha = build(self.problem_path, cfg, dist.rank, dist.world_size)
+            if self.budget is not None and cfg["budget_once"]:
+                ctx.budget = self.budget
+            check_mesh(self.problem_path, dist, ctx)
+            D.check_batch(dist, problem, ctx)
+            model = ctx.model
+            assert model is not None  # build() checked it
+            params = [p for p in model.parameters() if p.requires_grad]
+            if not params:
+                raise ProblemError(f"{self.problem_path}: ctx.model has no trainable "
+                                   "parameters")
+            stages = parse_curriculum(cfg["curriculum"])
+            if stages:  # the longest stage must fit before the first iteration
+                check_curriculum(self.problem_path, problem, ctx, stages)
+            optimizer = problem.optimizer(ctx, params)
+            scheduler = getattr(problem, "scheduler", lambda ctx, opt: None)(ctx, optimizer)
+            if self.begin.restart is not None:
+                restore(self.files.restart, self.begin.restart, problem, ctx, optimizer,
+                        scheduler, self.problem_path, sha)
+                self.begin.restart = None
+            with torch.no_grad():  # a new log's baseline
+                baseline = {k: float(v) for k, v in (problem.evaluate(ctx) or {}).items()}
+        except BaseException:
+            if self.begin.created and self.main:
+                remove_empty_dir(self.files.run_dir)
+            raise
+        self.problem, self.ctx, self.sha, self.model = problem, ctx, sha, model
+        self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
+        self.stages, self.baseline = stages, baseline
+        self.weights = problem.weights(ctx)
+        # optimizers that evaluate the loss themselves: L-BFGS and those saying so
+        self.closure_opt = (isinstance(optimizer, torch.optim.LBFGS)
+                            or bool(getattr(optimizer, "needs_closure", False)))
+
+    def open_log(self) -> None:
+        """Open the HDF5 log (rank 0), after the restart file and the log's rows have been
+        checked: a resumed log keeps its rows before the start and drops the others."""
+        from ..io import H5Log
+
+        cfg, start = self.cfg, self.begin.start
+        attrs = dict(log_attrs(self.problem_path, self.sha, cfg, self.ctx.device),
+                     world_size=self.dist.world_size, threads=torch.get_num_threads())
+        if self.budget is not None:
+            attrs["budget_bytes"] = int(self.budget)
+        attrs["weights"] = {k: float(v) for k, v in self.weights.items()}
+        if not self.begin.resume_log:   # before training: the model as built
+            attrs["initial_metrics"] = self.baseline
+        if not self.main:
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            self.log = H5Log(self.files.log, attrs=attrs, resume=self.begin.resume_log,
+                             keep_through=start - 1, locking=self.files.locking,
+                             curves=("adjoint_norms",) if int(cfg["adjoint_every"]) else ())
+        for w in caught:
+            note(" ".join(str(w.message).split()))
+        if cfg["tensorboard"]:
+            self.log = mirrored(self.log, os.path.join(self.files.run_dir, cfg["tensorboard"]),
+                                start)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        """Train from the start to ``iterations`` (or a signal); see the module docstring.
+        A fresh run that fails before its first row or restart file removes what it made."""
+        files, cfg = self.files, self.cfg
+        # a fresh run (no restart file) that fails or is interrupted before its first row
+        # leaves nothing: its new log (and TensorBoard directory) and the run directory
+        fresh = self.main and self.begin.start == 0 and not os.path.lexists(files.restart)
+        tb_dir = os.path.join(files.run_dir, cfg["tensorboard"]) if cfg["tensorboard"] \
+            else None
+        tb_new = tb_dir is not None and not os.path.lexists(tb_dir)
+        try:
+            return self._loop()
+        except BaseException:
+            if fresh and not self.wrote["rows"] and not self.wrote["restart"]:
+                discard_start(files.run_dir, files.log, tb_dir if tb_new else None,
+                              self.begin.created)
+            raise
+
+    def _loop(self) -> TrainResult:
+        from .. import distributed as D
+
+        dist, ctx, start = self.dist, self.ctx, self.begin.start
+        iterations = int(self.cfg["iterations"])
+        ckpt_every = max(int(self.cfg["checkpoint_every"]), 1)
+        D.broadcast_model(dist, self.model)
+        self.open_log()
+        bar = None
+        last_loss, preempted, it = math.nan, False, start
+        self.metrics = dict(self.baseline)
+        try:
+            self.stop.training = True   # from here on SIGINT stops after the iteration
+            if D.any_rank(dist, self.stop.signal is not None, ctx.device):  # during set-up
+                if self.main:
+                    self.checkpoint(start)
+                preempted = True
+            else:
+                bar = progress(iterations, start, self.quiet or not self.main,
+                               float(self.cfg["progress_every"]))
+                self.host_base = process_status("VmRSS:")  # the run's real-peak baseline
+                for it in range(start, iterations):
+                    row, last_loss = self.iteration(it)
+                    self.log.append(row)
+                    self.wrote["rows"] = True
+                    if bar is not None:
+                        bar.update(it, last_loss, row)
+                    if not math.isfinite(last_loss):
+                        self.log.flush()
+                        raise FloatingPointError(f"the loss became {last_loss} at iteration "
+                                                 f"{it}; lower the learning rate "
+                                                 "(--set lr=...)")
+                    stopping = D.any_rank(dist, self.stop.signal is not None, ctx.device)
+                    if self.main and (stopping or (it + 1) % ckpt_every == 0
+                                      or it == iterations - 1):
+                        self.checkpoint(it + 1)
+                    if stopping:
+                        preempted, it = True, it + 1
+                        break
+                else:
+                    it = iterations
+        finally:
+            self.log.close()
+            if bar is not None:
+                bar.close()
+        return TrainResult(self.files.run_dir, self.files.log, self.files.restart, it,
+                           last_loss, preempted, dist.rank, self.metrics)
+
+    def checkpoint(self, k: int) -> None:
+        """Write the restart file at iteration ``k``. The log's rows up to iteration ``k-1``
+        reach the disk before it is published, so a kill between the two leaves rows that
+        resume drops, never a gap."""
+        self.log.flush(sync=True)
+        save_restart(self.files.restart, iteration=k, model=self.model,
+                     optimizer=self.optimizer, scheduler=self.scheduler, ctx=self.ctx,
+                     cfg=self.cfg, sha=self.sha,
+                     problem_state=self.problem.state_dict(self.ctx))
+        self.wrote["restart"] = True
+
+    # -- one iteration -------------------------------------------------------------------
+
+    def iteration(self, it: int) -> tuple[dict[str, Any], float]:
+        """Iteration ``it``: the loss and its gradient (averaged over the ranks), the
+        optimiser's step, the scheduler's, and the log row (:mod:`.rows`). Returns
+        ``(row, loss)``."""
+        from .. import distributed as D
+
+        cfg, ctx, dist, log = self.cfg, self.ctx, self.dist, self.log
+        D.broadcast_buffers(dist, self.model)
+        if self.stages:
+            ctx.horizon = horizon(self.stages, it)
+        adjoint_every = int(cfg["adjoint_every"])
+        adjoint = adjoint_every and it % adjoint_every == 0
+        ctx.want_adjoint_norms = bool(adjoint)
+        track = (ctx.device.type == "cpu" and bool(cfg["budget"])
+                 and it % max(int(cfg.get("memory_every", 1)), 1) == 0)
+        row, loss = self._step(it, track)
+        row["budget_bytes"] = budget_bytes(ctx)
+        if self.stages and (not log.columns or "n_steps" in log.columns):
+            row["n_steps"] = int(ctx.horizon)  # (a resumed log without it: left out)
+        if adjoint:
+            log_adjoint_norms(log, it, ctx.unroll_stats)
+        add_rank_peaks(dist, log, row, ctx.device)
+        fit_memory_columns(log, row)
+        for k in self.baseline:
+            row[f"metric/{k}"] = math.nan
+        eval_every = int(cfg["eval_every"])
+        if (eval_every and (it + 1) % eval_every == 0) or it == int(cfg["iterations"]) - 1:
+            with torch.no_grad():
+                for k, v in (self.problem.evaluate(ctx) or {}).items():
+                    row[f"metric/{k}"] = self.metrics[k] = float(v)
+        return row, loss
+
+    def _step(self, it: int, track: bool) -> tuple[dict[str, Any], float]:
+        """The optimiser's step of iteration ``it`` and the row's loss, time, memory and
+        unroll columns; ``track``: meter the bytes deepsolve holds (CPU budgets)."""
+        from ..distributed import average_gradients
+        from ..memory.meter import MemoryMeter
+
+        ctx, dist, optimizer, params = self.ctx, self.dist, self.optimizer, self.params
+        dev = ctx.device
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+        else:
+            reset_high_water_mark()  # this iteration's real peak, where the kernel allows
+        ctx.unroll_stats.clear()
+        meter = MemoryMeter(dev, stats=StatsSum(ctx.unroll_stats)) if track else None
+        t0 = time.perf_counter()
+        timing: dict[str, Any] = {}
+
+        def evaluate_loss():
+            optimizer.zero_grad(set_to_none=True)
+            if meter is not None:   # this evaluation's unrolls (the earlier ones released)
+                meter.stats.start = len(ctx.unroll_stats)
+            ta = time.perf_counter()
+            terms = check_terms(self.problem.residuals(ctx, it), it)
+            # a tensor: check_terms refused an empty dict (sum() types it `| Literal[0]`)
+            loss = cast(torch.Tensor, sum(float(self.weights.get(k, 1.0)) * v.reshape(())
+                                          for k, v in terms.items()))
+            tb = time.perf_counter()
+            loss.backward()
+            if dist is not None and dist.enabled:  # average gradients, terms and loss
+                terms, loss = average_gradients(dist, params, terms, loss)
+            timing.update(forward=tb - ta, backward=time.perf_counter() - tb, terms=terms,
+                          loss=loss)
+            return loss
+
+        if meter is not None:
+            meter.__enter__()
+        try:
+            if self.closure_opt:
+                optimizer.step(evaluate_loss)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, math.inf))
+            else:
+                evaluate_loss()
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                    params, float(self.cfg["grad_clip"]) or math.inf))
+                optimizer.step()
+        finally:
+            if meter is not None:
+                meter.__exit__(None, None, None)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        wall = time.perf_counter() - t0
+        loss = float(timing["loss"].detach())
+        row: dict[str, Any] = {"iteration": it, "loss": loss}
+        for k, v in timing["terms"].items():
+            row[f"loss/{k}"] = float(v.detach())
+        row.update(time=wall, time_forward=timing["forward"], time_backward=timing["backward"])
+        tracked = float(meter.tracked_peak) if meter is not None else math.nan
+        hwm = host_high_water_mark()
+        if dev.type == "cuda":
+            row["peak_device_memory"] = float(torch.cuda.max_memory_allocated(dev) - base)
+            row["peak_real_memory"] = row["peak_device_memory"]
+        else:
+            row["peak_device_memory"] = tracked
+            row["peak_real_memory"] = float(max(hwm - self.host_base, 0))
+        row["peak_tracked_memory"] = tracked
+        row["peak_host_memory"] = float(hwm)
+        stats = ctx.unroll_stats
+        row["advances"] = sum(s.advances for s in stats)
+        row["recorded"] = sum(s.recorded for s in stats)
+        row["snapshots"] = max((s.snapshots_peak for s in stats), default=0)
+        row["schedule"] = stats[0].schedule if stats else ""
+        row["compile_time"] = float(sum(s.compile_time for s in stats))
+        row["lr"] = float(optimizer.param_groups[0]["lr"])
+        row["grad_norm"] = grad_norm
+        return row, loss
