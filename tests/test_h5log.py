@@ -17,6 +17,7 @@ import pytest
 
 from deepsolve.io import H5Log, LogError, read_log, to_pandas
 from deepsolve.io import h5log as H
+from deepsolve.io.log import files as F  # opening log files: locks, the superblock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -261,11 +262,11 @@ def test_to_pandas(tmp_path):
 
 def test_locking_flag_and_environment(tmp_path, monkeypatch):
     monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)
-    assert H._locking_kw(None) == {}
-    assert H._locking_kw(False) == {"locking": False}
+    assert F._locking_kw(None) == {}
+    assert F._locking_kw(False) == {"locking": False}
     monkeypatch.setenv("HDF5_USE_FILE_LOCKING", "FALSE")
-    assert H._locking_kw(None) == {"locking": False}
-    assert H._locking_kw(True) == {"locking": True}
+    assert F._locking_kw(None) == {"locking": False}
+    assert F._locking_kw(True) == {"locking": True}
     p = tmp_path / "log.h5"
     write_log(p, 3, locking=False)
     assert read_log(p, locking=False).n_rows == 3
@@ -278,7 +279,7 @@ def test_lock_errors_say_how_to_retry(tmp_path, monkeypatch):
 
     p = tmp_path / "log.h5"
     write_log(p, 2)
-    monkeypatch.setattr(H.h5py, "File", refuse)
+    monkeypatch.setattr(F.h5py, "File", refuse)
     for call in (lambda: H5Log(tmp_path / "new.h5"), lambda: read_log(p),
                  lambda: H5Log(p, resume=True)):
         with pytest.raises(LogError, match="--no-file-locking or HDF5_USE_FILE_LOCKING=FALSE"):
@@ -300,7 +301,7 @@ def test_a_reader_holding_the_log_does_not_stop_a_resume(tmp_path, monkeypatch):
     p = tmp_path / "log.h5"
     write_log(p, 3)
     monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)
-    monkeypatch.setattr(H, "_LOCK_WAIT", 0.3)
+    monkeypatch.setattr(F, "_LOCK_WAIT", 0.3)
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(p)],
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -368,13 +369,16 @@ def test_flushed_rows_survive_sigkill_and_resume_recovers(tmp_path):
 # ------------------------------------------------------------------------------ consistency
 
 
-H5LOG = str(ROOT / "deepsolve" / "io" / "h5log.py")
+H5LOG = str(ROOT / "deepsolve" / "io" / "log" / "__init__.py")
 
-# a writer that loads h5log.py by path (no torch import: a fraction of a second)
+# a writer that loads the log package (deepsolve/io/log) by path (no torch import: a fraction
+# of a second)
 STANDALONE = """
 import importlib.util, os, signal, sys
 import h5py
-spec = importlib.util.spec_from_file_location("h5log_standalone", sys.argv[2])
+spec = importlib.util.spec_from_file_location(
+    "h5log_standalone", sys.argv[2],
+    submodule_search_locations=[os.path.dirname(sys.argv[2])])
 H = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(H)
 """
@@ -532,7 +536,7 @@ def test_no_half_made_log_when_the_disk_is_full(tmp_path, monkeypatch):
     """Creating a log on a full disk leaves no log.h5 (not even 0 bytes) and no temporary
     file: the log is made under a temporary name and renamed once complete."""
     p = tmp_path / "log.h5"
-    real = H.h5py.File
+    real = F.h5py.File
 
     def full(name, mode="r", *a, **k):
         f = real(name, mode, *a, **k)
@@ -541,16 +545,16 @@ def test_no_half_made_log_when_the_disk_is_full(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return f
 
-    monkeypatch.setattr(H.h5py, "File", full)
+    monkeypatch.setattr(F.h5py, "File", full)
     with pytest.raises(LogError, match="No space left on device"):
         H5Log(p)
     assert os.listdir(tmp_path) == []
-    monkeypatch.setattr(H.h5py, "File", real)
+    monkeypatch.setattr(F.h5py, "File", real)
     write_log(p, 3)
-    monkeypatch.setattr(H.h5py, "File", full)
+    monkeypatch.setattr(F.h5py, "File", full)
     with pytest.raises(LogError, match="No space left"):
         H5Log(p, resume=True, keep_through=1)
-    monkeypatch.setattr(H.h5py, "File", real)
+    monkeypatch.setattr(F.h5py, "File", real)
     assert read_log(p).n_rows == 3                  # the old log is untouched
     assert sorted(os.listdir(tmp_path)) == ["log.h5"]
 
@@ -688,9 +692,9 @@ def test_doc_recipes_read_a_log_that_a_trainer_is_writing(live_trainer, name):
             pytest.skip("pandas is not installed (deepsolve does not depend on it): the "
                         "pandas recipe cannot run here; the read_log and h5py ones do")
     proc, path = live_trainer
-    assert proc.poll() is None and H._superblock(path)[1] & 0x4   # being written, SWMR
+    assert proc.poll() is None and F._superblock(path)[1] & 0x4   # being written, SWMR
     ns = _run_snippet(name, path)
-    assert proc.poll() is None and H._superblock(path)[1] & 0x4   # and still is
+    assert proc.poll() is None and F._superblock(path)[1] & 0x4   # and still is
     assert _check_snippet(name, ns, {"prior": 10.0}) >= 6
 
 
@@ -705,7 +709,7 @@ def test_doc_recipes_read_a_closed_log(tmp_path, name):
     with H5Log(p, attrs={"config": {"k": 1}, "weights": {"pde": 2.0}}) as log:
         for i in range(5):
             log.append(row(i, loss=2.0 * 0.5 / (i + 1)))
-    assert H._superblock(p)[1] & 0x5 == 0                         # closed cleanly
+    assert F._superblock(p)[1] & 0x5 == 0                         # closed cleanly
     assert _check_snippet(name, _run_snippet(name, p), {"pde": 2.0}) == 5
 
 

@@ -159,8 +159,10 @@ def test_report_does_not_follow_what_a_log_points_to(tmp_path):
 
 
 FIFO_READER = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("h5log_standalone", sys.argv[2])
+import importlib.util, os, sys
+spec = importlib.util.spec_from_file_location(
+    "h5log_standalone", sys.argv[2],
+    submodule_search_locations=[os.path.dirname(sys.argv[2])])
 H = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(H)
 try:
@@ -171,15 +173,15 @@ except H.LogError as e:
 
 
 def test_a_fifo_named_log_h5_is_refused_at_once(tmp_path):
-    """A FIFO named log.h5 hung report (> 237 s). Read in a subprocess (h5log.py loaded by
-    path, no torch), so a hang fails the test instead of blocking the suite."""
+    """A FIFO named log.h5 hung report (> 237 s). Read in a subprocess (the log package
+    loaded by path, no torch), so a hang fails the test instead of blocking the suite."""
     import subprocess
     import sys
     from pathlib import Path
 
     fifo = tmp_path / "log.h5"
     os.mkfifo(fifo)
-    h5log = Path(__file__).resolve().parents[1] / "deepsolve" / "io" / "h5log.py"
+    h5log = Path(__file__).resolve().parents[1] / "deepsolve" / "io" / "log" / "__init__.py"
     try:
         r = subprocess.run([sys.executable, "-c", FIFO_READER, str(tmp_path), str(h5log)],
                            capture_output=True, text=True, timeout=60)

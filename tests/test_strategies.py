@@ -31,7 +31,7 @@ def _actions(schedule) -> list:
     (deepsolve.Periodic(), S.periodic),
     (deepsolve.RevolveTail(3, 4), lambda n: S.revolve_tail(n, 3, 4)),
     (deepsolve.Mixed(6, 1), lambda n: S.mixed(n, 6, tape_units=1)),
-], ids=repr)
+], ids=lambda v: repr(v) if isinstance(v, deepsolve.Strategy) else "builder")
 @pytest.mark.parametrize("n", [7, 23, 60])
 def test_a_strategy_builds_its_schedule_and_counts_its_recomputations(strategy, function, n):
     built = strategy.build(n)

@@ -76,17 +76,28 @@ class TensorBoardMirror:
 
 class MirroredLog:
     """A log (:class:`~deepsolve.io.H5Log`) whose rows also go to mirrors: ``append``,
-    ``flush`` and ``close`` reach both; everything else is the log's. The log is written
-    first, so a mirror that fails never loses a row of the record."""
+    ``flush`` and ``close`` reach both; columns, curves and truncation are the log's (a
+    :class:`~deepsolve.io.log.Log`). The log is written first, so a mirror that fails never
+    loses a row of the record."""
 
     def __init__(self, log: Any, *mirrors: TensorBoardMirror) -> None:
         self.log = log
         self.mirrors = mirrors
 
+    @property
+    def columns(self) -> list[str]:
+        return self.log.columns
+
     def append(self, row: Mapping[str, Any]) -> None:
         self.log.append(row)
         for m in self.mirrors:
             m.append(row)
+
+    def append_curve(self, name: str, iteration: int, steps: Any, values: Any) -> None:
+        self.log.append_curve(name, iteration, steps, values)
+
+    def truncate_after(self, iteration: int) -> int:
+        return self.log.truncate_after(iteration)
 
     def flush(self, sync: bool = False) -> None:
         self.log.flush(sync=sync)
@@ -99,6 +110,3 @@ class MirroredLog:
         finally:
             for m in self.mirrors:
                 m.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.log, name)

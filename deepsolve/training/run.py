@@ -27,7 +27,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -56,6 +56,9 @@ from .rundir import (
     remove_stale_temporaries,
 )
 from .signals import Preemption
+
+if TYPE_CHECKING:
+    from ..io.log import Log
 
 __all__ = ["train", "TrainResult", "Run"]
 
@@ -213,7 +216,7 @@ class Run:
         self.begin, self.stop, self.quiet = start, stop, quiet
         self.main = dist.is_main
         self.budget = cfg.budget_bytes
-        self.log: Any = NoLog()
+        self.log: Log = NoLog()
         self.wrote = {"rows": False, "restart": False}
 
     # -- set-up --------------------------------------------------------------------------
