@@ -24,8 +24,12 @@ demo: $(STAMP)
 	ln -sfn $(notdir $(DEMO_OUT)) runs/navier_stokes-latest
 	@echo "summary and plots: $(PY) -m deepsolve report runs/navier_stokes-latest"
 
+# two workers (pytest-xdist), one torch thread each: the suite's tests are small, and two
+# processes use two cores better than one process with two threads; tests that share a
+# resource (the checkout's build/) carry an xdist_group and run in one worker
 test: $(STAMP)
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check deepsolve tests benchmarks problems examples docs/site

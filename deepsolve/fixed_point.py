@@ -34,7 +34,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -59,8 +59,29 @@ _COMMON = {"atol": 0.0, "eps": 1e-12}
 BACKWARDS = ("implicit", "unrolled", "auto", "phantom")
 
 
+class _BackwardMode:
+    """What a backward mode does (as diffrax's adjoints carry their ``loop``): after the
+    forward solve, :meth:`differentiate` turns its last iterate into the differentiable
+    output; a mode that runs the forward solve itself (``one_pass``, :class:`Unrolled`)
+    does it in :meth:`solve`."""
+
+    one_pass: ClassVar[bool] = False
+
+    def differentiate(self, s: _Solve, res: _Result) -> torch.Tensor:
+        """The output ``z_k`` of the forward solve ``res``, differentiable by this mode."""
+        raise NotImplementedError
+
+    def solve(self, s: _Solve) -> torch.Tensor:
+        """The forward solve and the differentiable output in one pass (``one_pass``)."""
+        raise NotImplementedError
+
+    def hint(self, res: _Result) -> str:
+        """What the warning of an unconverged forward solve adds for this mode."""
+        return ""
+
+
 @dataclass(frozen=True)
-class Implicit:
+class Implicit(_BackwardMode):
     """The implicit backward: solve ``g = J_f(z*)^T g + dL/dz*`` by ``solver`` (default: the
     forward solver) to ``tol`` within ``max_iter`` iterations (defaults: the forward's), one
     VJP of ``f`` per iteration, then ``dL/dtheta = (df/dtheta)^T g``. Memory: one recorded
@@ -71,9 +92,12 @@ class Implicit:
     max_iter: int | None = None
     name = "implicit"
 
+    def differentiate(self, s: _Solve, res: _Result) -> torch.Tensor:
+        return _implicit(s, res.state[0], self)
+
 
 @dataclass(frozen=True)
-class Unrolled:
+class Unrolled(_BackwardMode):
     """The exact gradient of the iterations run, through :func:`deepsolve.unroll`:
     checkpointed with ``snapshots`` slots or under ``budget`` (an online schedule, since the
     number of iterations is not known in advance), plain autograd with neither."""
@@ -82,13 +106,21 @@ class Unrolled:
     budget: int | str | None = None
     name = "unrolled"
 
+    one_pass: ClassVar[bool] = True
+
     def __post_init__(self):
         if self.snapshots is not None and self.budget is not None:
             raise ValueError("fixed_point: give budget= or snapshots=, not both")
 
+    def differentiate(self, s: _Solve, res: _Result) -> torch.Tensor:
+        return _unrolled(s, res.k, self)  # the iterations run, re-run recorded
+
+    def solve(self, s: _Solve) -> torch.Tensor:
+        return _unrolled_until(s, self)  # the solver runs once, inside the unroll
+
 
 @dataclass(frozen=True)
-class Phantom:
+class Phantom(_BackwardMode):
     """The phantom gradient (Geng et al., NeurIPS 2021): ``steps`` damped iterations
     ``z <- (1 - damping) z + damping f(z)`` recorded from ``z*``; ``Phantom(1, 1.0)`` is the
     Jacobian-free backward (Fung et al., AAAI 2022)."""
@@ -105,15 +137,25 @@ class Phantom:
             raise ValueError(f"fixed_point: phantom_damping must be in (0, 1], got "
                              f"{self.damping}")
 
+    def differentiate(self, s: _Solve, res: _Result) -> torch.Tensor:
+        return _phantom(s, res.state[0], self)
+
 
 @dataclass(frozen=True)
-class Auto:
+class Auto(_BackwardMode):
     """``implicit`` when the forward solve converged to ``tol``, else ``unrolled`` through
     the iterations run."""
 
     implicit: Implicit = field(default_factory=Implicit)
     unrolled: Unrolled = field(default_factory=Unrolled)
     name = "auto"
+
+    def differentiate(self, s: _Solve, res: _Result) -> torch.Tensor:
+        return (self.implicit if res.converged else self.unrolled).differentiate(s, res)
+
+    def hint(self, res: _Result) -> str:
+        return "" if res.converged else \
+            "; differentiating through the iterations run (backward='unrolled')"
 
 
 Backward = Implicit | Unrolled | Phantom | Auto
@@ -537,10 +579,13 @@ class _Adjoint:
     """What the implicit backward needs: ``f``, ``z*``, the RNG state of the recording and
     the adjoint solver settings."""
 
-    def __init__(self, f, z, rng, replay, lay, solver, options, tol, max_iter, strict, stats):
-        self.f, self.z, self.rng, self.replay, self.lay = f, z, rng, replay, lay
-        self.solver, self.options, self.tol, self.max_iter = solver, options, tol, max_iter
-        self.strict, self.stats = strict, stats
+    def __init__(self, s: _Solve, z: torch.Tensor, rng: Any, replay: Replay, mode: Implicit):
+        self.f, self.z, self.rng, self.replay, self.lay = s.f, z, rng, replay, s.lay
+        self.solver = s.solver if mode.solver is None else mode.solver
+        self.options = s.opts
+        self.tol = s.tol if mode.tol is None else float(mode.tol)
+        self.max_iter = s.max_iter if mode.max_iter is None else mode.max_iter
+        self.strict, self.stats = s.strict, s.stats
 
     def solve(self, v: torch.Tensor) -> torch.Tensor:
         """``g = J_f(z*)^T g + v`` by the adjoint solver, one VJP per iteration."""
@@ -680,19 +725,11 @@ def fixed_point(
     for name, val in (("max_iter", max_iter), ("backward_max_iter", backward_max_iter)):
         if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 0):
             raise ValueError(f"fixed_point: {name} must be an integer >= 0, got {val!r}")
-    mode_obj = backward_mode(backward, solver=backward_solver, tol=backward_tol,
-                             max_iter=backward_max_iter, snapshots=snapshots, budget=budget,
-                             phantom_steps=phantom_steps, phantom_damping=phantom_damping)
-    backward = mode_obj.name
-    imp = mode_obj.implicit if isinstance(mode_obj, Auto) else mode_obj
-    unr = mode_obj.unrolled if isinstance(mode_obj, Auto) else mode_obj
-    if isinstance(imp, Implicit):
-        backward_solver, backward_tol, backward_max_iter = imp.solver, imp.tol, imp.max_iter
-    if isinstance(unr, Unrolled):
-        snapshots, budget = unr.snapshots, unr.budget
-    if isinstance(mode_obj, Phantom):
-        phantom_steps, phantom_damping = mode_obj.steps, mode_obj.damping
-    bsolver = solver if backward_solver is None else backward_solver
+    mode = backward_mode(backward, solver=backward_solver, tol=backward_tol,
+                         max_iter=backward_max_iter, snapshots=snapshots, budget=budget,
+                         phantom_steps=phantom_steps, phantom_damping=phantom_damping)
+    imp = mode.implicit if isinstance(mode, Auto) else mode
+    bsolver = solver if not isinstance(imp, Implicit) or imp.solver is None else imp.solver
     if bsolver not in SOLVERS:
         raise ValueError(f"fixed_point: unknown backward_solver {bsolver!r}; use one of "
                          f"{', '.join(SOLVERS)}")
@@ -717,98 +754,109 @@ def fixed_point(
     st.solver = solver
     lay = _Layout(z0, batch_dims)
     opts = {**_COMMON, **solver_options}
-    method = _make_solver(solver, lay, opts)
-    crit = _Criterion(lay, float(tol), float(opts["atol"]), float(opts["eps"]))
-    fn = _checked(f, z0)
-    grad_on = torch.is_grad_enabled()
-    where = f"fixed_point ({solver})"
-    ukw = {"snapshots": snapshots, "budget": budget, "params": explicit or None}
-
+    s = _Solve(_checked(f, z0), z0, lay, solver, _make_solver(solver, lay, opts),
+               _Criterion(lay, float(tol), float(opts["atol"]), float(opts["eps"])), opts,
+               float(tol), max_iter, strict, st, explicit or None)
     t0 = time.perf_counter()
-    if backward == "unrolled" and grad_on:
-        # the solver runs once, inside an unknown-length unroll (online checkpoint schedule)
-        z, growing = _unrolled_until(fn, z0, method, crit, max_iter, ukw, st)
-        assert st.sample_residuals is not None  # set by _unrolled_until
-        _report(_Result((), st.iterations, st.converged, st.residuals, st.sample_residuals,
-                        growing, crit.r), tol, max_iter, strict, where)
-        st.forward_time = time.perf_counter() - t0
-        return (z, st) if return_stats else z
-
-    res = _iterate(fn, z0, method, crit, max_iter, where)
-    st.iterations, st.residuals, st.converged = res.k, res.history, res.converged
-    st.residual, st.sample_residuals = res.history[-1], res.sample.detach().cpu()
-    mode = backward
-    if backward == "auto":
-        mode = "implicit" if res.converged else "unrolled"
-    hint = "; differentiating through the iterations run (backward='unrolled')" \
-        if backward == "auto" and mode == "unrolled" else ""
-    _report(res, tol, max_iter, strict, where, hint)
-    zk = res.state[0]
-
-    if not grad_on:
-        st.backward = "none"
-        z = zk
-    elif mode == "implicit":
-        z = _implicit(fn, zk, lay, bsolver, opts, tol if backward_tol is None else backward_tol,
-                      max_iter if backward_max_iter is None else backward_max_iter, strict, st)
-    elif mode == "phantom":
-        z = _phantom(fn, zk, phantom_steps, float(phantom_damping), st)
+    if mode.one_pass and torch.is_grad_enabled():
+        z = mode.solve(s)
     else:
-        z = _unrolled(fn, z0, method, res.k, ukw, st)
+        res = _iterate(s.f, z0, s.method, s.crit, max_iter, s.where)
+        st.iterations, st.residuals, st.converged = res.k, res.history, res.converged
+        st.residual, st.sample_residuals = res.history[-1], res.sample.detach().cpu()
+        _report(res, tol, max_iter, strict, s.where, mode.hint(res))
+        if torch.is_grad_enabled():
+            z = mode.differentiate(s, res)
+        else:
+            st.backward = "none"
+            z = res.state[0]
     st.forward_time = time.perf_counter() - t0
     return (z, st) if return_stats else z
 
 
-def _implicit(f, zk, lay, bsolver, opts, btol, bmax, strict, st) -> torch.Tensor:
+@dataclass
+class _Solve:
+    """One call's forward solve, as the backward modes see it: ``f`` (checked), ``z0``, the
+    batch layout, the solver's name and object, the convergence test, the solver options,
+    ``tol``, ``max_iter``, ``strict``, the stats to fill and the explicit ``params``."""
+
+    f: Callable[[torch.Tensor], torch.Tensor]
+    z0: torch.Tensor
+    lay: _Layout
+    solver: str
+    method: Any
+    crit: _Criterion
+    opts: dict[str, Any]
+    tol: float
+    max_iter: int
+    strict: bool
+    stats: FixedPointStats
+    params: list[torch.Tensor] | None
+
+    @property
+    def where(self) -> str:
+        return f"fixed_point ({self.solver})"
+
+
+def _implicit(s: _Solve, zk: torch.Tensor, mode: Implicit) -> torch.Tensor:
     z = zk.detach()
     replay = Replay.of([z])
     rng = replay.capture()
     with torch.enable_grad():
-        out = f(z)
+        out = s.f(z)
     if not out.requires_grad:  # nothing in f requires grad
-        st.backward = "none"
+        s.stats.backward = "none"
         return zk
-    st.backward = "implicit"
-    adj = _Adjoint(f, z, rng, replay, lay, bsolver, opts, float(btol), bmax, strict, st)
+    s.stats.backward = "implicit"
+    adj = _Adjoint(s, z, rng, replay, mode)
     return _ImplicitFunction.apply(adj, out)
 
 
-def _phantom(f, zk, steps: int, lam: float, st) -> torch.Tensor:
+def _phantom(s: _Solve, zk: torch.Tensor, mode: Phantom) -> torch.Tensor:
     z = zk.detach()
     p = z
-    for _ in range(steps):
-        fp = f(p)
+    lam = float(mode.damping)
+    for _ in range(mode.steps):
+        fp = s.f(p)
         p = fp if lam == 1.0 else p + lam * (fp - p)
     if not p.requires_grad:
-        st.backward = "none"
+        s.stats.backward = "none"
         return zk
-    st.backward = "phantom"
-    st.backward_iterations = steps
+    s.stats.backward = "phantom"
+    s.stats.backward_iterations = mode.steps
     return z + (p - p.detach())  # the value of z_k, the gradient of the phantom iterations
 
 
-def _unrolled(f, z0, method, k: int, ukw: dict, st) -> torch.Tensor:
-    """Differentiate the first ``k`` iterations of ``method`` from ``z0`` (re-run, recorded
+def _unroll_options(s: _Solve, mode: Unrolled) -> dict[str, Any]:
+    return {"snapshots": mode.snapshots, "budget": mode.budget, "params": s.params}
+
+
+def _unrolled(s: _Solve, k: int, mode: Unrolled) -> torch.Tensor:
+    """Differentiate the first ``k`` iterations of the solver from ``z0`` (re-run, recorded
     or checkpointed, by deepsolve.unroll)."""
+    st = s.stats
     st.backward = "unrolled"
     st.backward_iterations = k
     st.unroll = UnrollStats()
-    state0 = method.init(f, z0)
+    method, f = s.method, s.f
+    state0 = method.init(f, s.z0)
 
     def step(state, i):
         return method.step(f, state, i)
 
-    final = unroll(step, state0, k, has_output=False, stats=st.unroll, **ukw)
+    final = unroll(step, state0, k, has_output=False, stats=st.unroll,
+                   **_unroll_options(s, mode))
     return final[0]
 
 
-def _unrolled_until(f, z0, method, crit: _Criterion, max_iter: int, ukw: dict, st):
+def _unrolled_until(s: _Solve, mode: Unrolled) -> torch.Tensor:
     """backward="unrolled" in one pass: the unroll stops at the first converged state
-    (``stop(x_i, i)`` is asked after each step, ``i >= 1``; ``x_0`` is checked here)."""
+    (``stop(x_i, i)`` is asked after each step, ``i >= 1``; ``x_0`` is checked here); an
+    unconverged solve warns (or raises, ``strict``) as the forward solve does."""
+    st, crit, method, f, max_iter, where = s.stats, s.crit, s.method, s.f, s.max_iter, s.where
     st.backward = "unrolled"
     st.unroll = UnrollStats()
-    where = f"fixed_point ({st.solver})"
-    state0 = method.init(f, z0)
+    state0 = method.init(f, s.z0)
     with torch.no_grad():
         done, mx, rel = crit(state0[0], state0[1])
     if not math.isfinite(mx):
@@ -833,9 +881,13 @@ def _unrolled_until(f, z0, method, crit: _Criterion, max_iter: int, ukw: dict, s
         z = state0[0]
     else:
         z = unroll(step, state0, None, until=stop, has_output=False, stats=st.unroll,
-                   **ukw)[0]
+                   **_unroll_options(s, mode))[0]
     st.iterations = st.backward_iterations = len(history) - 1
     st.residuals, st.residual = history, history[-1]
     st.converged = bool(last["done"])
     st.sample_residuals = last["rel"].detach().cpu()
-    return z, bool(last["growing"]) and not st.converged
+    growing = bool(last["growing"]) and not st.converged
+    # the caller of fixed_point is 5 frames up: _report, here, Unrolled.solve, fixed_point
+    _report(_Result((), st.iterations, st.converged, st.residuals, st.sample_residuals,
+                    growing, crit.r), s.tol, max_iter, s.strict, where, stacklevel=5)
+    return z

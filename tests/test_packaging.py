@@ -47,6 +47,7 @@ def _readme_example() -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("build")  # the wheel and the sdist share the checkout's build/
 def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     pytest.importorskip("build", reason="install the [test] extra (python -m build)")
     dist = tmp_path / "dist"
@@ -96,6 +97,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.xdist_group("build")
 def test_sdist_carries_tests_problems_and_docs(tmp_path):
     pytest.importorskip("build", reason="install the [test] extra (python -m build)")
     r = subprocess.run([sys.executable, "-m", "build", "--sdist", "--no-isolation",

@@ -488,23 +488,24 @@ def test_the_budget_is_used_and_predicted_on_large_states(calls):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_same_budget_same_plan_in_fresh_processes_under_load():
-    """One budget gives one plan: eight fresh processes (three at a time on two cores) plan
-    the shipped Navier–Stokes problem at 256 MiB, and eight the 1 KiB Kuramoto–Sivashinsky
-    step at 20,000 steps and four budgets — where a recorded tail, and for the spectral step
-    the policies, are weighed — and agree on every plan."""
+    """One budget gives one plan: five fresh processes (three at a time on two cores, beside
+    the rest of the suite) plan the 1 KiB Kuramoto–Sivashinsky step at 20,000 steps and four
+    budgets — where a recorded tail, and for the spectral step the policies, are weighed —
+    and four at once the shipped Navier–Stokes problem at 256 MiB, and agree on every
+    plan."""
     import subprocess
     import sys
 
     problem = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "problems", "navier_stokes.py")
     items = [f"ks:{b * MiB}" for b in (1, 8, 64, 256)]
-    ks = _run_children({k: (("plans", 20_000, *items), _child_env({})) for k in range(8)},
+    ks = _run_children({k: (("plans", 20_000, *items), _child_env({})) for k in range(5)},
                        parallel=3)  # three processes on the suite's two cores: loaded
-    plans = {tuple(r["plan"] for r in ks[k]) for k in range(8)}
+    plans = {tuple(r["plan"] for r in ks[k]) for k in range(5)}
     assert len(plans) == 1 and len(next(iter(plans))) == len(items), plans
     procs = [subprocess.Popen([sys.executable, "-m", "deepsolve", "plan", problem, "--budget",
                                "256MiB"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=_child_env({})) for _ in range(8)]
+                              text=True, env=_child_env({})) for _ in range(4)]
     chosen = set()
     for p in procs:
         out, err = p.communicate(timeout=300)

@@ -58,6 +58,7 @@ from .rundir import (
 from .signals import Preemption
 
 if TYPE_CHECKING:
+    from ..distributed.data import DistInfo
     from ..io.log import Log
 
 __all__ = ["train", "TrainResult", "Run"]
@@ -106,7 +107,7 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
             D.cleanup(dist)
 
 
-def _start(problem_path: str, cfg: RunConfig, dist, files: RunFiles, resume: bool,
+def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, resume: bool,
            quiet: bool) -> TrainResult:
     """Lock the run directory, decide the start (rank 0; the others follow its decision) and
     run; a start refused on any rank is refused on all."""
@@ -210,7 +211,7 @@ class Run:
         quiet: no progress output.
     """
 
-    def __init__(self, problem_path: str, cfg: RunConfig, dist, files: RunFiles,
+    def __init__(self, problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles,
                  start: RunStart, stop: Preemption, quiet: bool = False):
         self.problem_path, self.cfg, self.dist, self.files = problem_path, cfg, dist, files
         self.begin, self.stop, self.quiet = start, stop, quiet
