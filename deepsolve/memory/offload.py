@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from .._process import pid_alive
 from ..engine import HostStorage
 
 __all__ = ["HostStorage", "DiskStorage", "remove_stale_spill_dirs"]
@@ -86,16 +87,6 @@ def _restore_sigterm() -> None:
 atexit.register(_remove_open)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
-
-
 def remove_stale_spill_dirs(parent: str | os.PathLike | None = None) -> list[str]:
     """Remove the spill folders of dead processes under ``parent`` (default: the temporary
     directory): folders named by this module for this host whose pid is not running, owned
@@ -112,7 +103,7 @@ def remove_stale_spill_dirs(parent: str | os.PathLike | None = None) -> list[str
         if m is None or m.group(2) != host:
             continue
         pid = int(m.group(1))
-        if pid == me or _alive(pid):
+        if pid == me or pid_alive(pid):
             continue
         path = os.path.join(parent, name)
         try:

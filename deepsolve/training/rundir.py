@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._process import pid_alive
 from .progress import note
 from .restart import RestartError, load_restart, remove_quietly
 
@@ -118,16 +119,6 @@ def _lock_holder(fd: int) -> str:
 _TMP = re.compile(r"^(?:restart\.pt|log\.h5)\.tmp-(\d+)$|^log\.h5\.recover\.tmp$")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
-
-
 def remove_stale_temporaries(run_dir: str, *, all_of_them: bool = False) -> list[str]:
     """Remove the temporary files a killed or failed trainer left in ``run_dir``
     (``restart.pt.tmp-<pid>``, ``log.h5.tmp-<pid>``): those of dead processes, or all of them
@@ -142,7 +133,7 @@ def remove_stale_temporaries(run_dir: str, *, all_of_them: bool = False) -> list
         if m is None:
             continue
         pid = int(m.group(1)) if m.group(1) else None
-        if all_of_them or pid is None or pid == os.getpid() or not _pid_alive(pid):
+        if all_of_them or pid is None or pid == os.getpid() or not pid_alive(pid):
             path = os.path.join(run_dir, name)
             if os.path.isfile(path) and not os.path.islink(path):
                 remove_quietly(path)
