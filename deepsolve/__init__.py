@@ -58,6 +58,7 @@ try:
     )
     from .problem import Context, Problem
     from .sequential import SequentialStats, sequential
+    from .settings import Setting
     from .unroll import UnrollStats, unroll
 except KeyboardInterrupt:
     if not _cli_start():
@@ -69,7 +70,7 @@ __all__ = [
     "schedules", "unroll", "UnrollStats", "CompiledPolicy", "plan", "Plan", "BudgetError",
     "Strategy", "StoreAll", "Revolve", "Periodic", "Online", "TwoLevel", "RevolveTail", "Mixed",
     "Budget", "Reversible", "reversible",
-    "Problem", "Context",
+    "Problem", "Context", "Setting",
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
     "Implicit", "Unrolled", "Phantom", "Auto",
     "sequential", "SequentialStats",

@@ -130,6 +130,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if res.ok else 1
 
 
+def _cmd_settings(args: argparse.Namespace) -> int:
+    from .problem import load_problem
+    from .settings import describe
+
+    problem, _ = load_problem(args.problem)
+    print(describe(problem.settings()))
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from .io.report import report
 
@@ -259,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "1e-2 16-bit)")
     ck.set_defaults(func=_cmd_check)
 
+    st = sub.add_parser("settings", help="list a problem's settings",
+                        description="Print every setting of a problem file (the trainer's and "
+                        "the problem's own): its default, its range and what it does. Change "
+                        "one with train --set KEY=VALUE.")
+    st.add_argument("problem", help="problem file (problems/NAME.py)")
+    st.set_defaults(func=_cmd_settings)
+
     rp = sub.add_parser("report", help="summarise a run and plot it",
                         description="Print a summary of RUN_DIR/log.h5 and write loss.png, "
                         "memory.png and time.png (and metrics.png) into RUN_DIR.")
@@ -273,11 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The command line; a Ctrl-C anywhere outside the trainer's loop (argument parsing,
     imports, loading data) is one line and exit code 130."""
+    from ._process import end_rank
+
     try:
-        return _main(argv)
+        return end_rank(_main(argv))
     except KeyboardInterrupt:
         print("deepsolve: interrupted", file=sys.stderr)
-        return 130
+        return end_rank(130)
 
 
 def _main(argv: list[str] | None = None) -> int:

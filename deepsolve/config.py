@@ -1,13 +1,16 @@
 """The run configuration: a run's settings, validated and parsed once, before any work.
 
-:func:`run_config` merges :data:`~deepsolve.problem.TRAINER_DEFAULTS`, the problem's
-``defaults``, the ``--set key=value`` pairs (typed by the defaults) and the explicit options
-(``--budget``, ``--device``, ...), checks every setting and parses the ones the trainer needs
-as objects. The result is a frozen :class:`RunConfig`: a read-only mapping of the settings
-(``cfg["steps"]``; ``cfg["steps"] = 5`` raises ``TypeError``) with the parsed values as
-attributes — ``device`` (a ``torch.device`` that exists here), ``dtype``, ``threads`` (the
-torch CPU thread count the run uses) and ``budget_bytes`` (the unroll budget in bytes, a
-``"%"`` budget resolved once on ``device``; ``None`` without one).
+:func:`run_config` takes the problem's settings table (:meth:`~deepsolve.problem.Problem.settings`:
+the trainer's :data:`~deepsolve.settings.TRAINER_SETTINGS` and the problem's ``defaults``),
+applies the ``--set key=value`` pairs (each typed by its :class:`~deepsolve.settings.Setting`)
+and the explicit options (``--budget``, ``--device``, ...), validates every setting by its
+entry and parses the ones the trainer needs as objects. The result is a frozen
+:class:`RunConfig`: a read-only mapping of the settings (``cfg["steps"]``; ``cfg["steps"] =
+5`` raises ``TypeError``) with the parsed values as attributes — ``device`` (a
+``torch.device`` that exists here), ``dtype``, ``threads`` (the torch CPU thread count the
+run uses) and ``budget`` (the unroll budget as one
+:class:`~deepsolve.memory.budget.MemoryBudget`, a ``"%"`` budget read on ``device``; ``None``
+without one), which everything downstream takes.
 
 Every error is a :class:`ConfigError` (a ``ValueError``) of one line naming the setting, the
 bad value and what to give instead; the trainer, ``plan`` and ``check`` make the
@@ -21,20 +24,21 @@ from __future__ import annotations
 
 import copy
 import difflib
-import numbers
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 import torch
 
-from .problem import Problem, apply_overrides, check_settings
+from .memory.budget import MemoryBudget, read_budget
+from .problem import Problem
+from .settings import TRAINER_SETTINGS, ConfigError, Setting, apply_overrides, parse_curriculum
 
 __all__ = ["RunConfig", "ConfigError", "run_config", "config_from_settings", "parse_device",
-           "resolve_threads", "DTYPES", "DEFAULT_THREADS"]
+           "resolve_threads", "parse_curriculum", "horizon", "DTYPES", "DEFAULT_THREADS"]
+
 
 #: The dtypes a run may use (the ``dtype`` setting, ``--dtype``).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64,
@@ -45,11 +49,6 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.flo
 #: fast as two on a quiet 2-core machine for these step sizes and several times faster on a
 #: loaded one, where threads wait for each other at every operation.
 DEFAULT_THREADS = 1
-
-
-class ConfigError(ValueError):
-    """A setting that cannot be used; the message is one line naming it, its value and what
-    to give instead."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,8 +63,18 @@ class RunConfig(Mapping):
     device: torch.device               # where the run computes (exists on this machine)
     dtype: torch.dtype
     threads: int                       # torch CPU threads the run uses (resolved, >= 1)
-    budget_bytes: int | None           # the unroll budget in bytes (None: no budget)
-    defaults: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    budget: MemoryBudget | None        # the unroll budget, read once (None: no budget)
+    table: Mapping[str, Setting] = field(default_factory=dict, repr=False)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The budget's bytes as read (``None`` without a budget)."""
+        return None if self.budget is None else self.budget.nbytes
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The default value of every setting of the table."""
+        return {k: s.default for k, s in self.table.items()}
 
     def __getitem__(self, key: str) -> Any:
         return self.settings[key]
@@ -82,7 +91,7 @@ class RunConfig(Mapping):
 
     def replace(self, **changes: Any) -> RunConfig:
         """A new configuration with ``changes`` applied, validated like the first."""
-        return config_from_settings({**self.settings, **changes}, self.defaults)
+        return config_from_settings({**self.settings, **changes}, self.table)
 
     def on_device(self, name: str) -> RunConfig:
         """The same configuration with the ``device`` setting written as ``name`` (the name
@@ -96,28 +105,24 @@ class RunConfig(Mapping):
                               f"{self.device}; make a new one")
         settings = dict(self.settings, device=name)
         return RunConfig(MappingProxyType(settings), self.device, self.dtype, self.threads,
-                         self.budget_bytes, self.defaults)
+                         self.budget, self.table)
 
 
 def run_config(problem: Problem, overrides: Mapping[str, Any] | None = None,
                sets: list[str] | None = None, *, rank_device: bool = True) -> RunConfig:
     """The run configuration of ``problem``: its defaults, then the ``--set key=value``
-    pairs (typed by the defaults), then ``overrides`` (explicit options; ``None`` values are
+    pairs (typed by their settings), then ``overrides`` (explicit options; ``None`` values are
     left out), all checked. ``rank_device``: under torchrun, ``device`` is this rank's
     (``cuda`` -> ``cuda:LOCAL_RANK``). Raises :class:`ConfigError` (one line)."""
-    defaults = problem.config()
+    table = problem.settings()
+    defaults = {k: s.default for k, s in table.items()}
     sets = list(sets or [])
     for pair in sets:
         key = pair.split("=", 1)[0].strip() if "=" in pair else None
         if key is not None and key not in defaults:
             raise ConfigError(f"--set {key}: unknown setting{_did_you_mean(key, defaults)}; "
                               f"known settings: {', '.join(sorted(defaults))}")
-    try:
-        cfg = apply_overrides(defaults, sets)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    cfg = apply_overrides(defaults, sets, table)
     for k, v in (overrides or {}).items():
         if v is None:
             continue
@@ -125,26 +130,22 @@ def run_config(problem: Problem, overrides: Mapping[str, Any] | None = None,
             raise ConfigError(f"unknown setting {k!r}{_did_you_mean(k, cfg)}; known settings: "
                               f"{', '.join(sorted(cfg))}")
         cfg[k] = v
-    return config_from_settings(cfg, defaults, rank_device=rank_device)
+    return config_from_settings(cfg, table, rank_device=rank_device)
 
 
-def config_from_settings(settings: Mapping[str, Any], defaults: Mapping[str, Any] | None = None,
+def config_from_settings(settings: Mapping[str, Any], table: Mapping[str, Setting] | None = None,
                          *, rank_device: bool = True) -> RunConfig:
     """A :class:`RunConfig` from complete settings (a configuration's ``as_dict()``, possibly
-    changed): each value checked against the type of its default in ``defaults`` (default:
-    the settings' own types are not checked), the trainer's ranges, the dtype, the device,
-    the thread count and the budget."""
+    changed): each value validated by its entry in ``table`` (default: the trainer's
+    settings; a key without an entry is taken as it is), then the device, the thread count,
+    the budget and the curriculum parsed."""
     cfg = dict(settings)
-    defaults = dict(defaults) if defaults is not None else {}
+    table = dict(table) if table is not None else dict(TRAINER_SETTINGS)
     for k, v in cfg.items():
-        if k in defaults:
-            cfg[k] = _check_type(k, v, defaults[k])
-    try:
-        check_settings(cfg)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+        if k == "device" and isinstance(v, torch.device):
+            cfg[k] = v = str(v)
+        if k in table:
+            table[k].validate(k, v)
     dtype_name = cfg.get("dtype", "float32")
     if dtype_name not in DTYPES:
         raise ConfigError(f"--dtype {dtype_name}: not a dtype the trainer knows; use --dtype "
@@ -161,7 +162,7 @@ def config_from_settings(settings: Mapping[str, Any], defaults: Mapping[str, Any
         name_here = name
     device = parse_device(name_here)
     threads = resolve_threads(cfg.get("threads", 0))
-    budget = _parse_budget(cfg.get("budget"), device)
+    budget = _read_budget(cfg.get("budget"), device)
     stages = parse_curriculum(cfg.get("curriculum", ""))
     if stages and "steps" in cfg and max(n for _, n in stages) > int(cfg["steps"]):
         raise ConfigError(f"--set curriculum={cfg['curriculum']}: its longest stage "
@@ -169,37 +170,7 @@ def config_from_settings(settings: Mapping[str, Any], defaults: Mapping[str, Any
                           "the horizon the problem's data is made for; raise --steps or "
                           "shorten the stage")
     return RunConfig(MappingProxyType(copy.deepcopy(cfg)), device, DTYPES[dtype_name],
-                     threads, budget, MappingProxyType(defaults))
-
-
-def parse_curriculum(text: Any) -> tuple[tuple[int, int], ...]:
-    """The stages of ``--set curriculum=0:50,200:400,600:2000``: ``((start_iteration,
-    steps), ...)``, starts strictly increasing from 0, steps >= 1; ``""``: none. One-line
-    :class:`ConfigError` otherwise."""
-    if text is None or (isinstance(text, str) and not text.strip()):
-        return ()
-    hint = ("give stages start:steps from iteration 0 on, e.g. --set "
-            "curriculum=0:50,200:400,600:2000")
-    if not isinstance(text, str):
-        raise ConfigError(f"--set curriculum={text!r}: not a list of stages; {hint}")
-    stages: list[tuple[int, int]] = []
-    for part in text.split(","):
-        a, sep, b = part.partition(":")
-        try:
-            if not sep:
-                raise ValueError
-            start, steps = int(a), int(b)
-        except ValueError:
-            raise ConfigError(f"--set curriculum={text}: stage {part.strip()!r} is not "
-                              f"start:steps; {hint}") from None
-        if steps < 1 or start < 0 or (stages and start <= stages[-1][0]):
-            raise ConfigError(f"--set curriculum={text}: stage {part.strip()!r} needs steps >= "
-                              "1 and a start after the previous stage's; " + hint)
-        stages.append((start, steps))
-    if stages[0][0] != 0:
-        raise ConfigError(f"--set curriculum={text}: the first stage must start at iteration "
-                          f"0; {hint}")
-    return tuple(stages)
+                     threads, budget, MappingProxyType(table))
 
 
 def horizon(stages: tuple[tuple[int, int], ...], iteration: int) -> int:
@@ -264,13 +235,11 @@ def resolve_threads(threads: Any) -> int:
     return max(1, min(DEFAULT_THREADS, usable))
 
 
-def _parse_budget(budget: Any, device: torch.device) -> int | None:
-    from .memory.budget import parse_budget
-
+def _read_budget(budget: Any, device: torch.device) -> MemoryBudget | None:
     if budget in ("", None, 0) or (isinstance(budget, str) and not budget.strip()):
         return None
     try:
-        return parse_budget(budget, device)
+        return read_budget(budget, device)
     except (ValueError, OverflowError) as e:
         why = " ".join(str(e).split())
         named = repr(budget) in why or str(budget) in why
@@ -281,37 +250,3 @@ def _parse_budget(budget: Any, device: torch.device) -> int | None:
 def _did_you_mean(key: str, known: Mapping[str, Any]) -> str:
     close = difflib.get_close_matches(key, list(known), n=2, cutoff=0.7)
     return f" (did you mean {' or '.join(close)}?)" if close else ""
-
-
-_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _check_type(key: str, value: Any, default: Any) -> Any:
-    """``value`` if it fits the type of ``default`` (an int where a float is meant is fine;
-    ``device`` may be a ``torch.device``, ``budget`` bytes), else a one-line error."""
-    if default is None or (value is None and key == "budget"):
-        return value
-    if key == "device" and isinstance(value, torch.device):
-        return str(value)
-    if key == "budget":
-        ok = isinstance(value, (str, numbers.Real)) and not isinstance(value, bool)
-        want = "bytes or a string such as '2GiB' or '80%'"
-    elif isinstance(default, bool):
-        ok, want = isinstance(value, (bool, np.bool_)), _KINDS[bool]
-    elif isinstance(default, numbers.Integral):
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) or \
-            isinstance(value, float) and value.is_integer()
-        want = _KINDS[int]
-    elif isinstance(default, numbers.Real):
-        ok, want = isinstance(value, numbers.Real) and not isinstance(value, bool), _KINDS[float]
-    elif isinstance(default, str):
-        ok, want = isinstance(value, str), _KINDS[str]
-    elif isinstance(default, (list, tuple)):
-        ok, want = isinstance(value, (list, tuple)), "a list such as 1,2,3"
-    else:
-        return value
-    if not ok:
-        raise ConfigError(f"setting {key}={value!r} is a {type(value).__name__}, not "
-                          f"{want}; use --set {key}=VALUE with VALUE {want} (the default is "
-                          f"{default!r})")
-    return value

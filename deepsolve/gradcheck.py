@@ -58,21 +58,20 @@ command. See docs/check.md.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from .engine import RngState
 from .memory import BudgetError
 from .schedules import Schedule, periodic, revolve
 from .unroll import UnrollStats, unroll
 
 if TYPE_CHECKING:
-    from torch import Tensor
+    pass
 
 
 __all__ = ["check_gradients", "GradientCheck", "GradientRow", "DEFAULT_STEPS"]
@@ -230,45 +229,6 @@ def format_error(e: float | None) -> str:
     if e == 0:
         return "0"
     return "inf" if math.isinf(e) else ("nan" if e != e else f"{e:.1e}")
-
-
-# --------------------------------------------------------------------------------------
-# RNG states
-
-
-@dataclass
-class RngState:
-    torch: Tensor  # (a field named `torch` hides the module in the class body)
-    cuda: list[Tensor] | None
-    random: Any
-    numpy: dict
-
-
-def rng_get() -> RngState:
-    cuda = (torch.cuda.get_rng_state_all()
-            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
-    return RngState(torch.get_rng_state(), cuda, random.getstate(),
-                np.random.get_state(legacy=False))
-
-
-def rng_set(s: RngState) -> None:
-    torch.set_rng_state(s.torch)
-    if s.cuda is not None:
-        torch.cuda.set_rng_state_all(s.cuda)
-    random.setstate(s.random)
-    np.random.set_state(s.numpy)
-
-
-def escaped_generators(before: RngState, after: RngState) -> list[str]:
-    """The generators outside torch whose state differs between ``before`` and ``after``."""
-    out = []
-    if before.random != after.random:
-        out.append("Python's random module")
-    a, b = before.numpy, after.numpy
-    if (a["state"]["pos"] != b["state"]["pos"] or a["has_gauss"] != b["has_gauss"]
-            or not np.array_equal(a["state"]["key"], b["state"]["key"])):
-        out.append("numpy's global generator (np.random.*)")
-    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -463,11 +423,11 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
                              f"objects, got {a!r}")
     ref_kw = {k: v for k, v in base.items() if k in ("params", "has_output")}
 
-    rng0 = rng_get()
+    rng0 = RngState.everything()
     escaped: dict[str, list[str]] = {}
     try:
         # the reference: plain autograd through the recorded graph
-        rng_set(rng0)
+        rng0.restore()
         stats = UnrollStats()
         res = unroll(step, x0c, n_steps, schedule="store_all", stats=stats, **ref_kw)
         loss = _projection(res)
@@ -490,7 +450,7 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
         tensors = [t for _, t in inputs]
         need = [t.requires_grad for t in tensors]
         ref_grads = grad_of(loss, tensors, need)
-        if esc := escaped_generators(rng0, rng_get()):
+        if esc := rng0.moved_host(RngState.everything()):
             escaped["store_all"] = esc
         del res, loss
 
@@ -500,7 +460,7 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
         for label, kw in runs:
             results[label] = []
             for _ in range(2):
-                rng_set(rng0)
+                rng0.restore()
                 stats = UnrollStats()
                 try:
                     res = unroll(step, x0c, n_steps, stats=stats, **kw)
@@ -519,13 +479,13 @@ def check_gradients(step: Callable[[Any, int], Any], x0: Any, n_steps: int, *,
                     del results[label]
                     break
                 finally:
-                    if esc := escaped_generators(rng0, rng_get()):
+                    if esc := rng0.moved_host(RngState.everything()):
                         escaped.setdefault(label, esc)
                 results[label].append((values, grads))
                 schedules[label] = stats.schedule or "?"
                 del res, loss
     finally:
-        rng_set(rng0)
+        rng0.restore()
 
     # drop extra schedules that are the run's own
     for label in [lb for lb in schedules if lb != "run"]:

@@ -30,7 +30,6 @@ optimiser and logs each term, times, memory and step counts to the HDF5 log.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -41,99 +40,18 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from .engine import UnrollStats
+from .engine import UnrollStats, forget_step
+from .memory.budget import MemoryBudget, read_budget
 from .memory.strategies import Reversible
+from .settings import TRAINER_DEFAULTS, Setting, apply_overrides, parse_compile, settings_table
 from .unroll import unroll
 
 __all__ = ["Problem", "Context", "load_problem", "ProblemError", "TRAINER_DEFAULTS",
-           "check_settings", "parse_compile"]
+           "Setting", "apply_overrides", "parse_compile"]
 
 
 class ProblemError(ValueError):
     """A problem file is missing, broken, or does not define ``problem`` correctly."""
-
-
-#: Defaults every problem has; a problem's own ``defaults`` add to and override them.
-TRAINER_DEFAULTS: dict[str, Any] = {
-    "iterations": 100,       # optimiser steps
-    "lr": 1e-3,              # learning rate
-    "steps": 100,            # unroll length for ctx.unroll
-    "budget": "",            # memory budget for ctx.unroll ("" = none: snapshots or store_all)
-    "snapshots": 0,          # revolve slots when no budget is given (0 = store_all)
-    "reversible": 0,         # > 0: rebuild states by the step's inverse, with this many
-                             # snapshots (deepsolve.Reversible; the step needs an inverse)
-    "seed": 0,
-    "device": "cpu",
-    "dtype": "float32",
-    "eval_every": 10,        # iterations between Problem.evaluate calls (0 = only at the end)
-    "checkpoint_every": 25,  # iterations between restart files
-    "grad_clip": 0.0,        # clip the global gradient norm (0 = off)
-    "memory_every": 1,       # CPU runs with a budget: measure tracked memory every N iterations
-    "threads": 0,            # torch CPU threads (0: OMP_NUM_THREADS if set, else DEFAULT_THREADS)
-    "progress_every": 30.0,  # seconds between progress lines when stderr is not a terminal
-    "budget_once": True,     # resolve a "%" budget once at the start (False: every unroll)
-    "cache_dir": "runs/cache",  # where ctx.cache keeps a problem's derived data
-    "curriculum": "",        # unroll horizon by iteration, "0:50,200:400" ("" = steps throughout)
-    "adjoint_every": 0,      # log the adjoint norms of one unroll every N iterations (0 = off)
-    "mesh": "",              # distributed runs: DATAxSPACE ranks ("" = all space with ctx.slab)
-    "dist_timeout": 600.0,   # seconds a rank waits for the others before it stops with an error
-    "tensorboard": "",       # mirror the log's scalars to TensorBoard in this directory
-                             # ("" = off; relative: inside the run directory)
-    "compile": "auto",       # compiled step segments (docs/compile.md): auto = when the
-                             # model says the compile time is repaid within the run's
-                             # iterations; on, off, or a segment length k
-}
-
-
-#: Ranges of the trainer's numeric settings: (kind, lowest value, what the bound means).
-#: ``int`` settings must be integers, ``float`` ones finite numbers (``grad_clip`` may also be
-#: ``inf``, which like 0 turns clipping off).
-SETTING_RANGES: dict[str, tuple[type, float, str]] = {
-    "iterations": (int, 0, ">= 0"),
-    "lr": (float, 0.0, ">= 0"),
-    "steps": (int, 0, ">= 0"),
-    "snapshots": (int, 0, ">= 0 (0: store every step)"),
-    "eval_every": (int, 0, ">= 0 (0: evaluate only at the end)"),
-    "checkpoint_every": (int, 1, ">= 1"),
-    "grad_clip": (float, 0.0, ">= 0 (0: no clipping)"),
-    "memory_every": (int, 1, ">= 1"),
-    "threads": (int, 0, ">= 0 (0: the default, see docs/problems.md)"),
-    "progress_every": (float, 0.0, ">= 0 (seconds; 0: a line every iteration)"),
-    "adjoint_every": (int, 0, ">= 0 (0: no adjoint norms logged)"),
-    "dist_timeout": (float, 0.1, ">= 0.1 (seconds)"),
-}
-
-
-def check_settings(cfg: Mapping[str, Any]) -> None:
-    """Check the trainer settings of a resolved configuration against
-    :data:`SETTING_RANGES` (and ``seed`` is an integer); one-line ``ValueError`` naming the
-    setting, its value and the allowed range."""
-    import math
-    import numbers
-
-    for key, (kind, low, allowed) in SETTING_RANGES.items():
-        if key not in cfg:
-            continue
-        v = cfg[key]
-        ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
-        if ok and kind is int:
-            ok = isinstance(v, numbers.Integral) or (isinstance(v, float) and v.is_integer())
-            what = "an integer"
-        else:
-            what = "a number"
-            if ok and not math.isfinite(v) and not (key == "grad_clip" and v == math.inf):
-                ok = False
-                what = "a finite number"
-        if not ok:
-            raise ValueError(f"setting {key}={v!r} is not {what}; use --set {key}=VALUE with "
-                             f"VALUE {allowed}")
-        if v < low:
-            raise ValueError(f"setting {key}={v!r} is out of range: {key} must be {allowed} "
-                             f"(--set {key}=...)")
-    seed = cfg.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"setting seed={seed!r} is not an integer")
-    parse_compile(cfg.get("compile", False))
 
 
 class Context:
@@ -146,13 +64,15 @@ class Context:
         data: anything the problem needs (set by :meth:`Problem.build`).
         generator: a ``torch.Generator`` seeded from ``cfg.seed`` (CPU).
         rank, world_size: this process's place in a distributed run (0 and 1 otherwise).
-        budget: the unroll budget :meth:`unroll` passes on: ``cfg.budget`` as written, or the
-            bytes the trainer resolved it to once at the start (``budget_once``: a ``"5%"``
-            budget then means the same bytes, and the same schedule, on every iteration).
+        budget: the unroll budget :meth:`unroll` passes on, a
+            :class:`~deepsolve.memory.budget.MemoryBudget` (``None`` without one): the run
+            configuration's, held at the bytes it was read as (``budget_once``: a ``"5%"``
+            budget then means the same bytes, and the same schedule, on every iteration) or
+            resolved again at every unroll.
     """
 
     def __init__(self, cfg: Mapping[str, Any], device: torch.device, dtype: torch.dtype,
-                 rank: int = 0, world_size: int = 1):
+                 rank: int = 0, world_size: int = 1, budget: MemoryBudget | None = None):
         self.cfg = SimpleNamespace(**cfg)
         self.device = device
         self.dtype = dtype
@@ -162,7 +82,9 @@ class Context:
         self.rank = rank
         self.world_size = world_size
         self.unroll_stats: list[UnrollStats] = []
-        self.budget: int | str = cfg.get("budget", "")
+        if budget is None and cfg.get("budget") not in ("", None, 0):
+            budget = read_budget(cfg["budget"], device)
+        self.budget: MemoryBudget | None = budget
         self.cached: dict[str, tuple[str, bool]] = {}
         self._bound: dict = {}
         self._capturing = False
@@ -185,6 +107,8 @@ class Context:
 
         where = directory if directory is not None else getattr(
             self.cfg, "cache_dir", TRAINER_DEFAULTS["cache_dir"])
+        if directory is None and where == TRAINER_DEFAULTS["cache_dir"]:
+            where = os.environ.get("DEEPSOLVE_CACHE_DIR") or where
         arrays, path, computed = load_or_compute(where, name, key, compute, attrs=attrs)
         self.cached[name] = (path, computed)
         return {k: torch.from_numpy(v) for k, v in arrays.items()}
@@ -230,6 +154,14 @@ class Context:
             self.want_adjoint_norms = False
         self.unroll_stats.append(stats)
         return unroll(req.step, req.state, req.n_steps, stats=stats, **req.options)
+
+    def release(self) -> None:
+        """Drop the compiled segments of this context's bound steps (they hold the steps,
+        and through them this context, its model and data); the trainer calls it when a run
+        ends, so that the run is freed with its last reference."""
+        for step in self._bound.values():
+            forget_step(step)
+        self._bound.clear()
 
     def first_unroll(self, run: Callable[[], Any]) -> UnrollRequest | None:
         """Call ``run()`` (e.g. ``lambda: problem.residuals(ctx, 0)``) up to its first
@@ -280,9 +212,12 @@ class Problem:
     """Base class of problems; see the module docstring for a complete example.
 
     Override:
-        defaults: a dict of settings and their default values; every key can be changed with
-            ``--set key=value`` (typed by the default's type). Adds to
-            :data:`TRAINER_DEFAULTS` (iterations, lr, steps, budget, ...).
+        defaults: a dict of settings: a default value (``"nu": 0.01``, typed by the value) or
+            a :class:`~deepsolve.settings.Setting` with help and range (``"nu":
+            Setting(0.01, "viscosity", low=0.0)``); every key can be changed with ``--set
+            key=value``. Adds to the trainer's settings (iterations, lr, steps, budget, ...:
+            :data:`~deepsolve.settings.TRAINER_SETTINGS`), whose defaults a plain value
+            replaces.
         build(ctx): create ``ctx.model`` (an ``nn.Module``) and ``ctx.data``. Required.
         residuals(ctx, iteration) -> dict[str, Tensor]: named scalar loss terms. Required.
         step(ctx, state, i): the solver step, for problems that unroll (call
@@ -325,11 +260,14 @@ class Problem:
     def load_state_dict(self, ctx: Context, state: dict[str, Any]) -> None:
         return None
 
+    def settings(self) -> dict[str, Setting]:
+        """The trainer's settings updated with this problem's ``defaults``
+        (:func:`deepsolve.settings.settings_table`)."""
+        return settings_table(self.defaults)
+
     def config(self) -> dict[str, Any]:
-        """Trainer defaults updated with this problem's ``defaults``."""
-        cfg = dict(TRAINER_DEFAULTS)
-        cfg.update(self.defaults)
-        return cfg
+        """The default value of every setting (:meth:`settings`)."""
+        return {k: s.default for k, s in self.settings().items()}
 
 
 def load_problem(path: str | os.PathLike) -> tuple[Problem, str]:
@@ -365,74 +303,3 @@ def load_problem(path: str | os.PathLike) -> tuple[Problem, str]:
         raise ProblemError(f"{path}: `problem` is a {type(prob).__name__}, not an instance "
                            "of deepsolve.Problem")
     return prob, digest
-
-
-def parse_compile(value: Any) -> bool | int | str:
-    """The ``compile`` setting as ``unroll``'s ``compile=``: ``"auto"``, ``True`` (``on``,
-    ``true``), ``False`` (``off``, ``false``, ``""``) or a segment length ``k >= 1``; one line
-    otherwise."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value >= 1:
-        return value
-    text = str(value).strip().lower()
-    if text in ("auto", "on", "true", "off", "false", ""):
-        return "auto" if text == "auto" else text in ("on", "true")
-    if text.isdigit() and int(text) >= 1:
-        return int(text)
-    raise ValueError(f"setting compile={value!r}: use auto, on, off or a segment length k >= 1 "
-                     "(--set compile=auto)")
-
-
-def coerce(key: str, text: str, default: Any) -> Any:
-    """Turn ``--set key=text`` into the type of ``default``; one-line errors."""
-    if isinstance(default, bool):
-        low = text.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"--set {key}={text}: expected true or false")
-    if isinstance(default, int):
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"--set {key}={text}: expected an integer") from None
-    if isinstance(default, float):
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"--set {key}={text}: expected a number") from None
-    if isinstance(default, str):
-        return text
-    if isinstance(default, (list, tuple)):
-        import json
-
-        try:
-            val = json.loads(text)
-        except json.JSONDecodeError:
-            val = [v.strip() for v in text.split(",") if v.strip()]
-        if not isinstance(val, list):
-            raise ValueError(f"--set {key}={text}: expected a list such as 1,2,3")
-        return type(default)(val)
-    if default is None:
-        return text
-    if dataclasses.is_dataclass(default):  # pragma: no cover - not used by shipped problems
-        raise ValueError(f"--set {key}: structured settings cannot be set from the command line")
-    raise ValueError(f"--set {key}: settings of type {type(default).__name__} cannot be set "
-                     "from the command line")
-
-
-def apply_overrides(cfg: dict[str, Any], pairs: list[str]) -> dict[str, Any]:
-    """Apply ``key=value`` strings to ``cfg`` (typed by the defaults); unknown keys fail."""
-    out = dict(cfg)
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"--set {pair!r}: expected key=value")
-        key, text = pair.split("=", 1)
-        key = key.strip()
-        if key not in cfg:
-            known = ", ".join(sorted(cfg))
-            raise ValueError(f"--set {key}: unknown setting; known settings: {known}")
-        out[key] = coerce(key, text, cfg[key])
-    return out

@@ -19,15 +19,16 @@ from torch.utils import _pytree as pytree
 from .engine import (
     HostStorage,
     Segments,
+    StepCache,
+    Truncation,
     UnrollStats,
     check_truncate,
     execute,
     segments,
-    step_identity,
 )
 from .memory import BudgetError, device_capacity, format_bytes
 from .memory.agree import agree_min, agree_profile
-from .memory.budget import parse_budget
+from .memory.budget import BudgetLike, parse_budget
 from .memory.offload import DiskStorage
 from .memory.planner import choose, online_snapshots
 from .memory.planner import plan as make_plan
@@ -62,7 +63,7 @@ def unroll(
     max_steps: int | None = None,
     snapshots: int | None = None,
     schedule: str | Strategy | Schedule | None = None,
-    budget: int | str | Budget | None = None,
+    budget: BudgetLike | Budget | None = None,
     offload: str | None = None,
     spill_dir: str | None = None,
     params: Sequence[torch.Tensor] | None = None,
@@ -230,10 +231,11 @@ def unroll(
     if truncate is not None and n_steps > 0 and torch.is_grad_enabled():
         window, storage, policy, chosen = _windows(step, state, n_steps, truncate, how,
                                                    params, policy, snapshot_dtype, stats)
-        return execute(step, state, window, params=params, has_output=has_output,
+        return execute(step, state, None, params=params, has_output=has_output,
                        preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
                        snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook,
-                       truncate=truncate, n_steps=n_steps, **_reversal(chosen, step))
+                       truncate=Truncation(n_steps, truncate, window),
+                       **_reversal(chosen, step))
     sched: Schedule
     if isinstance(how, Budget):
         if n_steps == 0 or not torch.is_grad_enabled():
@@ -295,11 +297,10 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
             # "auto" runs the first unroll of a step eagerly and decides at the next one from
             # its measured time (the model's eager prediction misses the executor's own
             # per-step work): over the runs left of compile_runs, or as many as so far
-            seen = _auto_seen.pop(step_identity(step), None)
-            _auto_seen[step_identity(step)] = seen or _AutoSeen()
-            while len(_auto_seen) > 64:
-                del _auto_seen[next(iter(_auto_seen))]
-            rec = _auto_seen[step_identity(step)]
+            rec = _auto_seen.get(step)
+            if rec is None:
+                rec = _AutoSeen()
+                _auto_seen.put(step, rec)
             rec.calls += 1
             if rec.last is None or rec.n_steps != n_steps:
                 rec.last, rec.n_steps, rec.choice = stats, n_steps, None  # measure this one
@@ -433,7 +434,7 @@ class _AutoSeen:
         self.choice: SegmentChoice | None = None  # the decision to compile, once taken
 
 
-_auto_seen: dict[Any, _AutoSeen] = {}
+_auto_seen = StepCache()  # per step, without keeping the step alive
 
 
 def _choose_k(step, state, n_steps: int, mode, runs: int, kw,

@@ -140,6 +140,7 @@ import torch
 from torch import nn
 
 import deepsolve
+from deepsolve import Setting
 from deepsolve.physics import (
     Grid,
     NavierStokes2D,
@@ -298,35 +299,43 @@ class NavierStokesClosure(deepsolve.Problem):
         # trainer
         "iterations": 30,
         "lr": 1e-2,
-        "lr_final": 0.1,        # cosine decay to lr * lr_final at the last iteration
+        "lr_final": Setting(0.1, "cosine decay to lr * lr_final at the last iteration",
+                            low=0.0, allowed=">= 0"),
         "steps": 1000,          # coarse steps per unroll (horizon T = steps * dt)
         "eval_every": 10,
         "memory_every": 10,     # tracked-memory meter every 10 iterations (it costs ~1 s)
         "budget": "256MiB",     # memory for the unroll's checkpoints (store_all: ~1.3 GB)
         "dtype": "float32",
         # physics
-        "nu": 0.005,            # viscosity
-        "alpha": 0.1,           # linear drag
-        "forcing": 1.0,         # Kolmogorov forcing amplitude F0
-        "forcing_k": 4,         # forcing wavenumber (integer)
-        "ic_peak": 4.0,         # spectral peak of the random initial vorticity
-        "ic_energy": 0.5,       # kinetic energy of the random initial vorticity
-        "spinup": 0.5,          # fine-solver time before t = 0 (removes the IC transient)
+        "nu": Setting(0.005, "viscosity", low=0.0, allowed=">= 0"),
+        "alpha": Setting(0.1, "linear drag", low=0.0, allowed=">= 0"),
+        "forcing": Setting(1.0, "Kolmogorov forcing amplitude F0"),
+        "forcing_k": Setting(4, "forcing wavenumber", low=1, allowed=">= 1"),
+        "ic_peak": Setting(4.0, "spectral peak of the random initial vorticity", low=0.0,
+                           allowed=">= 0"),
+        "ic_energy": Setting(0.5, "kinetic energy of the random initial vorticity", low=0.0,
+                             allowed=">= 0"),
+        "spinup": Setting(0.5, "fine-solver time before t = 0 (removes the IC transient)",
+                          low=0.0, allowed=">= 0"),
         # discretisation and data
-        "fine_n": 64,           # reference grid
-        "coarse_n": 32,         # model grid
-        "dt": 0.002,            # coarse step
-        "fine_substeps": 1,     # the reference uses dt / fine_substeps
-        "obs_every": 100,       # longest interval between observation times, in coarse steps
-        "n_train": 8,           # training trajectories
-        "n_test": 8,            # held-out trajectories (different seed)
-        "batch": 2,             # training trajectories per iteration
-        "data_seed": 1234,      # train ICs use data_seed, held-out ICs data_seed + 1
-        "data_dir": "runs/data",
+        "fine_n": Setting(64, "reference grid (>= coarse_n)", low=4, allowed=">= 4"),
+        "coarse_n": Setting(32, "model grid", low=4, allowed=">= 4"),
+        "dt": Setting(0.002, "coarse step"),
+        "fine_substeps": Setting(1, "the reference steps with dt / fine_substeps", low=1,
+                                 allowed=">= 1"),
+        "obs_every": Setting(100, "longest interval between observation times, in coarse "
+                             "steps", low=1, allowed=">= 1"),
+        "n_train": Setting(8, "training trajectories", low=1, allowed=">= 1"),
+        "n_test": Setting(8, "held-out trajectories (ICs from data_seed + 1)", low=1,
+                          allowed=">= 1"),
+        "batch": Setting(2, "training trajectories per iteration (1..n_train)", low=1,
+                         allowed=">= 1"),
+        "data_seed": Setting(1234, "seed of the training ICs (held-out: data_seed + 1)"),
+        "data_dir": Setting("runs/data", "where the reference trajectories are cached"),
         # model and regularisation
-        "width": 8,             # CNN channels
-        "depth": 3,             # CNN convolutions
-        "reg": 1e-4,            # weight of the closure-size term
+        "width": Setting(8, "CNN channels", low=1, allowed=">= 1"),
+        "depth": Setting(3, "CNN convolutions", low=1, allowed=">= 1"),
+        "reg": Setting(1e-4, "weight of the closure-size term", low=0.0, allowed=">= 0"),
     }
 
     # -- setup ---------------------------------------------------------------------------

@@ -8,20 +8,60 @@ Opt-in fixtures a module requests with ``pytestmark = pytest.mark.usefixtures(NA
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _cache_outside_the_checkout(tmp_path_factory):
-    """Problems built in-process keep their ``ctx.cache`` files in a temporary directory,
-    not in the checkout's runs/cache."""
-    from deepsolve.problem import TRAINER_DEFAULTS
+def _global_state() -> dict:
+    return {"torch threads": torch.get_num_threads(),
+            "default dtype": torch.get_default_dtype(),
+            "grad mode": torch.is_grad_enabled(),
+            "anomaly detection": torch.is_anomaly_enabled(),
+            "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+            "working directory": os.getcwd(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
 
-    old = TRAINER_DEFAULTS["cache_dir"]
-    TRAINER_DEFAULTS["cache_dir"] = str(tmp_path_factory.mktemp("cache"))
+
+@pytest.fixture(autouse=True)
+def _no_leaked_global_state(request):
+    """No test changes process-wide state another test would see (a module-scoped fixture
+    may, for its module: ``single_thread``): a test that leaves torch's threads, default
+    dtype, grad or anomaly mode, the working directory or ``OMP_NUM_THREADS`` changed fails,
+    and the state is put back."""
+    before = _global_state()
     yield
-    TRAINER_DEFAULTS["cache_dir"] = old
+    after = _global_state()
+    changed = [f"{k} {before[k]!r} -> {after[k]!r}" for k in before if before[k] != after[k]]
+    if changed:
+        torch.set_num_threads(before["torch threads"])
+        torch.set_default_dtype(before["default dtype"])
+        torch.set_grad_enabled(before["grad mode"])
+        torch.autograd.set_detect_anomaly(before["anomaly detection"])
+        torch.use_deterministic_algorithms(before["deterministic algorithms"])
+        os.chdir(before["working directory"])
+        if before["OMP_NUM_THREADS"] is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before["OMP_NUM_THREADS"]
+        pytest.fail(f"{request.node.nodeid} changed global state: {'; '.join(changed)}",
+                    pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def _session_cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(autouse=True)
+def _cache_outside_the_checkout(_no_leaked_global_state, _session_cache_dir, monkeypatch):
+    """Problems built by a test (in its process or in the processes it starts) keep their
+    ``ctx.cache`` files in a temporary directory, not in the checkout's runs/cache: the
+    ``DEEPSOLVE_CACHE_DIR`` environment variable, set for the test and removed after it.
+    (It asks for the state guard first, so that ``monkeypatch`` is set up after the guard and
+    undone before the guard looks.)"""
+    monkeypatch.setenv("DEEPSOLVE_CACHE_DIR", _session_cache_dir)
 
 
 @pytest.fixture(scope="module")

@@ -196,6 +196,26 @@ def test_bad_truncations_are_one_line_errors(kw, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("n, K", [(20, 5), (23, 5), (7, 10)])
+def test_the_executor_takes_truncation_as_its_own_argument(n, K):
+    """``execute(..., None, truncate=Truncation(n, K, window))`` is the truncated unroll
+    (windows reversed by ``window(length)``'s schedules); a schedule beside it, or a bad
+    ``K``, is refused."""
+    from deepsolve.engine import Truncation, execute
+
+    step, x0, params = _problem(3)
+    final, outs = execute(step, x0, None, truncate=Truncation(n, K, lambda m: S.revolve(m, 2)))
+    g = torch.autograd.grad(_loss(final, outs), [*x0.values(), *params])
+    final_p, outs_p, _ = _plain(step, x0, n, cut=K)
+    _loss(final_p, outs_p).backward()
+    for a, t in zip(g, [*x0.values(), *params], strict=True):
+        assert torch.allclose(a, t.grad, rtol=1e-10, atol=1e-12)
+    with pytest.raises(TypeError, match="give schedule=None"):
+        execute(step, x0, S.revolve(n, 2), truncate=Truncation(n, K, S.store_all))
+    with pytest.raises(ValueError, match="truncate must be an integer >= 1"):
+        Truncation(n, 0, S.store_all)
+
+
 def test_truncate_under_a_budget_holds_one_window_whatever_n():
     """The tracked peak (saved tensors and snapshots) of ``truncate=K`` under ``budget=``
     does not grow with ``n``: n = 10 K and 100 K within 5 %."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from deepsolve.config import ConfigError, horizon, parse_curriculum
-from deepsolve.io import read_log
+from deepsolve.io import INT_MISSING, read_log
 from deepsolve.memory import BudgetError
 from deepsolve.train import train
 
@@ -113,14 +113,15 @@ def test_the_logged_curve_is_downsampled_to_at_most_curve_width_points():
     assert np.allclose(got["values"], got["steps"] * 0.5)
 
 
-def test_a_run_resumed_with_a_curriculum_keeps_its_log_columns(tmp_path):
+def test_a_run_resumed_with_a_curriculum_gains_the_n_steps_column(tmp_path):
     """A log made without a curriculum has no n_steps column; resuming it with one trains
-    the later stages and leaves the column out instead of failing."""
+    the later stages and adds the column (missing, -1, in the rows before)."""
     out = tmp_path / "run"
     train(NS, sets=_sets(tmp_path, "iterations=2", "eval_every=0"), out=str(out), quiet=True)
     res = train(NS, sets=_sets(tmp_path, "iterations=4", "eval_every=0", "curriculum=0:4,3:8"),
                 out=str(out), quiet=True, resume=True)
     assert res.iterations == 4
     log = read_log(out / "log.h5")
-    assert log.n_rows == 4 and "n_steps" not in log.columns
+    assert log.n_rows == 4
+    assert list(log.columns["n_steps"]) == [INT_MISSING, INT_MISSING, 4, 8]
     assert list(log.columns["recorded"]) == [8, 8, 4, 8]   # steps=8, then the stages

@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from deepsolve.io import H5Log, LogError, read_log, to_pandas
+from deepsolve.io import H5Log, LogError, read_curves, read_log, to_pandas
 from deepsolve.io import h5log as H
 from deepsolve.io.log import files as F  # opening log files: locks, the superblock
 
@@ -98,14 +98,40 @@ def test_missing_values_and_scalar_types(tmp_path):
     assert d.columns["iteration"].dtype == np.int64
 
 
-def test_new_column_after_creation_is_an_error(tmp_path):
+@pytest.mark.parametrize("flush_first", [False, True], ids=["buffered", "written"])
+def test_a_new_column_is_missing_in_the_rows_before(tmp_path, flush_first):
+    """A column that appears at iteration 2 (buffered rows, or rows already in the file,
+    which is then published again) reads NaN, -1 and "" before it; the rows, the other
+    columns, the units and a curve written before are kept."""
     p = tmp_path / "log.h5"
-    with H5Log(p) as log:
+    with H5Log(p, curves=("adjoint_norms",)) as log:
         log.append(row(0))
-        with pytest.raises(LogError, match="new column.*'loss/extra'.*first row"):
-            log.append(row(1, **{"loss/extra": 1.0}))
+        log.append_curve("adjoint_norms", 0, [0, 1], [2.0, 1.0])
+        log.append(row(1))
+        if flush_first:
+            log.flush()
+        log.append(row(2, **{"loss/extra": 1.5, "n_steps": 40, "tag": "x"}))
+        log.append(row(3))
+        assert log.columns[-3:] == ["loss/extra", "n_steps", "tag"]
+    d = read_log(p)
+    assert list(d.columns["iteration"]) == [0, 1, 2, 3]
+    extra = d.columns["loss/extra"]
+    assert np.isnan(extra[[0, 1, 3]]).all() and extra[2] == 1.5
+    assert list(d.columns["n_steps"]) == [H.INT_MISSING, H.INT_MISSING, 40, H.INT_MISSING]
+    assert list(d.columns["tag"]) == ["", "", "x", ""]
+    assert list(d.columns["schedule"]) == ["revolve"] * 4
+    assert list(d.columns["loss/pde"]) == [row(i)["loss/pde"] for i in range(4)]
+    c = read_curves(p, "adjoint_norms")
+    assert list(c["iteration"]) == [0] and list(c["value"][0, :2]) == [2.0, 1.0]
+
+
+def test_a_new_column_may_not_take_another_columns_dataset(tmp_path):
+    with H5Log(tmp_path / "log.h5") as log:
+        log.append(row(0))
+        with pytest.raises(LogError, match="'loss/pde' and 'loss.pde' map to the same"):
+            log.append(row(1, **{"loss.pde": 1.0}))
         log.append(row(1))                       # the rejected row was not buffered
-    assert read_log(p).n_rows == 2
+    assert read_log(tmp_path / "log.h5").n_rows == 2
 
 
 def test_row_errors(tmp_path):

@@ -122,6 +122,7 @@ FLOORS = [
     {"_version", "_process", "schedules", "physics"},
     {"engine"},
     {"memory"},
+    {"settings"},
     {"unroll", "sequential", "reversible"},
     {"fixed_point", "gradcheck", "pinn"},
     {"io"},

@@ -425,6 +425,7 @@ def calls():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("real_peak")  # one worker: the module fixture's processes run once
 @pytest.mark.parametrize("kind", list(CALLS))
 def test_first_call_stays_within_the_budget(kind, calls):
     """A batch job's first iteration keeps the budget: in a fresh process (deepsolve imported,

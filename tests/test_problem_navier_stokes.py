@@ -48,11 +48,11 @@ def test_loads_with_documented_defaults(problem):
     import deepsolve
 
     assert isinstance(problem, deepsolve.Problem)
-    d = problem.defaults
+    d = problem.config()   # the defaults' values (some are declared as Settings with help)
     for key in ("iterations", "lr", "steps", "eval_every", "dtype", "fine_n", "coarse_n", "nu",
                 "alpha", "forcing", "forcing_k", "dt", "n_train", "n_test", "batch", "width",
                 "obs_every", "data_dir"):
-        assert key in d, key
+        assert key in problem.defaults, key
     assert d["dtype"] == "float32"
     assert d["budget"] or d.get("snapshots")
     assert d["steps"] >= 1000 and d["steps"] % d["obs_every"] == 0

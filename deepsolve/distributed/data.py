@@ -23,6 +23,7 @@ closure see the full-batch loss on every rank.
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import math
 import os
 import signal
@@ -142,9 +143,22 @@ def setup(device_name: str, timeout_s: float = 600.0) -> tuple[DistInfo, str]:
 
 
 def cleanup(info: DistInfo) -> None:
-    """End the process group if :func:`setup` started it."""
+    """End the process group if :func:`setup` started it, and free its communication
+    threads now.
+
+    ``destroy_process_group`` removes the groups from torch's registry but a gloo group's
+    threads end only when its last reference goes (gloo has no ``shutdown``), and the run's
+    context refers to its mesh's groups through a reference cycle (the context's bound
+    steps close over it). Left to the interpreter's exit, those threads may still be running
+    while Python finalizes; one that then reaches for the GIL is unwound by
+    ``pthread_exit`` through C++ code that cannot unwind, and the process aborts with
+    "terminate called without an active exception" (SIGABRT) — or hangs. So the cycle is
+    collected here, while every thread can still end normally: the trainer drops the run's
+    caches first (:meth:`~deepsolve.Context.release`), and tests/test_distributed.py checks
+    that a rank's thread count is back where it was when ``train`` returns."""
     if info.initialized_here and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+        gc.collect()
 
 
 def barrier(info: DistInfo) -> None:

@@ -23,7 +23,7 @@ The engine knows nothing of budgets or files (layer 2 of docs/design.md). Other 
 import only the public names re-exported here.
 """
 
-from .executor import Tape, UnrollRun, UnrollStats, check_truncate, execute
+from .executor import Tape, Truncation, UnrollRun, UnrollStats, check_truncate, execute
 from .graph import (
     closure_leaves,
     constant_leaves,
@@ -47,9 +47,19 @@ from .policies import (
     save_expensive,
     save_fft,
 )
-from .replay import Autocast, Replay, autocast_state, cuda_devices, get_rng, set_rng
+from .replay import Autocast, Replay, autocast_state, cuda_devices
 from .reversal import ON_DRIFT, ReconstructionError, Reversal, default_tolerance, relative_error
-from .segments import INDEX, CompileError, Segments, segment_count, segments, step_identity
+from .rng import RngState, cuda_generators
+from .segments import (
+    INDEX,
+    CompileError,
+    Segments,
+    StepCache,
+    forget_step,
+    segment_count,
+    segments,
+    step_identity,
+)
 from .state import Step, codec, flatten_state, is_diff, spec_str, unflatten
 from .storage import (
     POOL_BELOW,
@@ -63,16 +73,18 @@ from .storage import (
 
 __all__ = [
     "CompileError", "INDEX", "Segments", "segment_count", "segments", "step_identity",
+    "StepCache", "forget_step",
     "Autocast", "CompiledPolicy", "ON_DRIFT", "EXPENSIVE_OPS", "GradSum", "HostStorage",
     "Interpreter",
     "Misfit", "POLICIES", "POOL_BELOW", "ReconstructionError", "Recorder", "Replay", "Reversal",
+    "RngState", "cuda_generators",
     "SAVE_FFT_OPS", "Slot", "default_tolerance", "relative_error",
     "SnapshotPool", "Step", "Storage",
     "SweepStats", "Tape", "UnrollRun", "UnrollStats", "autocast_state", "check_snapshot_dtype",
-    "check_truncate",
+    "check_truncate", "Truncation",
     "closure_leaves", "codec", "constant_leaves", "cuda_devices", "discover", "execute",
-    "flatten_state", "get_rng", "graph_leaves", "graph_nodes", "holding", "is_diff",
+    "flatten_state", "graph_leaves", "graph_nodes", "holding", "is_diff",
     "policy_context",
     "policy_name", "pull_back", "save_expensive", "save_fft", "saved_bytes", "sequence_marker",
-    "set_rng", "snapshot_nbytes", "spec_str", "unflatten", "unseen_leaf",
+    "snapshot_nbytes", "spec_str", "unflatten", "unseen_leaf",
 ]

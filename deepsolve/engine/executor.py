@@ -55,7 +55,7 @@ from .reversal import ReconstructionError, Reversal, relative_error
 from .state import Step, flatten_state, is_diff, unflatten
 from .storage import check_snapshot_dtype
 
-__all__ = ["execute", "UnrollStats", "UnrollRun", "Tape", "check_truncate"]
+__all__ = ["execute", "Truncation", "UnrollStats", "UnrollRun", "Tape", "check_truncate"]
 
 
 @dataclass
@@ -758,8 +758,7 @@ def execute(
     policy: Any = None,
     snapshot_dtype: torch.dtype | None = None,
     adjoint_hook: Callable[[int, Any], Any] | None = None,
-    truncate: int | None = None,
-    n_steps: int | None = None,
+    truncate: Truncation | None = None,
     inverse: Callable[[Any, int], Any] | None = None,
     tolerance: float | None = None,
     on_drift: str = "raise",
@@ -784,10 +783,11 @@ def execute(
 
     ``adjoint_hook(i, adjoint) -> adjoint | None`` is called in the reverse sweep on each
     ``dL/dx_i`` (``i = n .. 0``, the state's structure) before it flows into step ``i - 1``;
-    ``stats.adjoint_norms=True`` records their norms. ``truncate=K``: truncated
-    backpropagation, no adjoint across ``x_K, x_2K, ...``; ``schedule`` is then a function
-    ``length -> Schedule`` building each window's schedule, and ``n_steps`` is given. Both
-    keep every step on the interpreter (store-all included) so the adjoints are explicit.
+    ``stats.adjoint_norms=True`` records their norms. ``truncate``: truncated
+    backpropagation (a :class:`Truncation`: its length, its window length ``K`` and the
+    builder of each window's schedule), no adjoint across ``x_K, x_2K, ...``; ``schedule`` is
+    then ``None``. Both keep every step on the interpreter (store-all included) so the
+    adjoints are explicit.
 
     ``inverse(state, i) -> state`` (``x_i`` from ``x_{i+1}``) makes the step reversible for
     schedules with ``Invert`` actions (:func:`deepsolve.schedules.reversible`): it is checked
@@ -809,19 +809,16 @@ def execute(
                     "inference_mode, or pass a copy made outside it (x0.clone()), or run the "
                     "unroll under torch.inference_mode() / torch.no_grad() as well")
     watch = adjoint_hook is not None or bool(stats is not None and stats.adjoint_norms is True)
-    window = None
+    cut = None  # the truncation when it cuts (more than one window)
     if truncate is not None:
         if until is not None:
             raise ValueError("unroll: truncate= needs a known n_steps, not until=")
-        check_truncate(truncate)
-        if isinstance(schedule, Schedule) or not callable(schedule) or n_steps is None:
-            raise TypeError("execute: with truncate=, schedule is a function length -> "
-                            "Schedule (each window's) and n_steps is given")
-        window = schedule
-        schedule = window(n_steps) if n_steps <= truncate else _Windows(n_steps, truncate,
-                                                                         window)
-        if n_steps <= truncate:  # one window: nothing is cut
-            window = None
+        if schedule is not None:
+            raise TypeError("execute: with truncate=, the windows' schedules come from "
+                            "truncate.window; give schedule=None")
+        n, K = truncate.n_steps, truncate.K
+        schedule = truncate.window(n) if n <= K else _Windows(truncate)
+        cut = truncate if n > K else None
     if watch and until is not None and schedule is None:
         raise ValueError("unroll: adjoint_norms/adjoint_hook with until= need snapshots= or "
                          "budget= (an online schedule)")
@@ -876,11 +873,10 @@ def execute(
     try:
         if until is not None:
             tape = ex.forward_online(x0, cast(Online, sched).start(), until, max_steps)
-        elif window is not None:
+        elif cut is not None:
             if stats is not None:
-                stats.extra["truncate"] = truncate
-            assert truncate is not None  # window is set only with truncate
-            tape = ex.forward_truncated(x0, truncate, window)
+                stats.extra["truncate"] = cut.K
+            tape = ex.forward_truncated(x0, cut.K, cut.window)
         else:
             tape = ex.forward(x0)
         tapes = [tape, *ex.tapes.values()]  # every step the forward sweep recorded
@@ -915,15 +911,32 @@ def check_truncate(K: Any) -> int:
     return K
 
 
+@dataclass(frozen=True)
+class Truncation:
+    """Truncated backpropagation through ``n_steps`` steps: windows ``[0, K), [K, 2K), ...``
+    (the last may be shorter), each reversed on its own by the schedule ``window(length)``
+    builds; no adjoint crosses ``x_K, x_2K, ...``. ``K`` is checked (:func:`check_truncate`)."""
+
+    n_steps: int
+    K: int
+    window: Callable[[int], Schedule]
+
+    def __post_init__(self) -> None:
+        check_truncate(self.K)
+        if isinstance(self.n_steps, bool) or not isinstance(self.n_steps, int) or \
+                self.n_steps < 0:
+            raise ValueError(f"unroll: n_steps must be an integer >= 0, got {self.n_steps!r}")
+
+
 class _Windows(Schedule):
     """The name of a truncated unroll's schedule (its windows' schedules are built as they
     run): ``n`` steps in windows of ``K``, each reversed by ``window(K)``."""
 
     kind = "truncated"
 
-    def __init__(self, n_steps: int, K: int, window: Callable[[int], Schedule]):
-        self.n_steps, self.K, self.window = n_steps, K, window
-        self.slots = dict(window(K).slots)
+    def __init__(self, cut: Truncation):
+        self.n_steps, self.K, self.window = cut.n_steps, cut.K, cut.window
+        self.slots = dict(cut.window(cut.K).slots)
 
     def __iter__(self):
         raise TypeError("a truncated unroll's schedule is run window by window")

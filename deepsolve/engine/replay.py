@@ -27,25 +27,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["Replay", "Autocast", "autocast_state", "cuda_devices", "get_rng", "set_rng"]
+from .rng import RngState
+
+__all__ = ["Replay", "Autocast", "autocast_state", "cuda_devices"]
 
 
 def cuda_devices(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The indices of the CUDA devices the tensors live on, sorted."""
     return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
-
-
-def get_rng(cuda: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The CPU generator's state and that of each CUDA device in ``cuda``."""
-    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda]
-
-
-def set_rng(rng: tuple[torch.Tensor, list[torch.Tensor]], cuda: list[int]) -> None:
-    """Put back a state from :func:`get_rng` (same ``cuda`` list)."""
-    cpu, gpu = rng
-    torch.set_rng_state(cpu)
-    for d, st in zip(cuda, gpu, strict=True):
-        torch.cuda.set_rng_state(st, d)
 
 
 def autocast_state() -> list[tuple[str, torch.dtype]]:
@@ -103,10 +92,9 @@ class Replay:
         copied)."""
         if not self.preserve_rng:
             return None
-        now = get_rng(self.cuda)
+        now = RngState.capture(self.cuda)
         last = self.last
-        if last is not None and torch.equal(now[0], last[0]) and all(
-                torch.equal(a, b) for a, b in zip(now[1], last[1], strict=True)):
+        if last is not None and now.same_torch(last):
             return last
         self.last = now
         return now
@@ -114,7 +102,7 @@ class Replay:
     def restore(self, rng: Any) -> None:
         """Put back a state from :meth:`capture` (``None``: nothing to do)."""
         if rng is not None:
-            set_rng(rng, self.cuda)
+            rng.restore()
 
     @contextlib.contextmanager
     def reverse_sweep(self) -> Iterator[None]:

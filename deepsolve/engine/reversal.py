@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from .replay import Replay, get_rng
+from .replay import Replay
+from .rng import RngState
 from .state import Step, is_diff
 
 __all__ = ["Reversal", "ReconstructionError", "relative_error", "default_tolerance",
@@ -119,12 +120,10 @@ class Reversal:
         """Step 0 and its inverse on ``x_0``, before the forward sweep: the step must draw no
         random numbers, and ``inverse(step(x_0, 0), 0)`` must be ``x_0`` within the
         tolerance; a one-line error otherwise. Costs one step and one inverse."""
-        before = get_rng(replay.cuda)
+        before = RngState.capture(replay.cuda)
         with torch.no_grad():
             x1, _ = self.step.first(list(x0), 0)
-            after = get_rng(replay.cuda)
-            if not torch.equal(before[0], after[0]) or not all(
-                    torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True)):
+            if not before.same_torch(RngState.capture(replay.cuda)):
                 raise ValueError(
                     "unroll: the reversible schedule needs a step that draws no random "
                     "numbers, but step 0 drew some (an inverse cannot give them back); use "

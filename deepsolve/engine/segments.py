@@ -44,6 +44,7 @@ from __future__ import annotations
 import time
 import types
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -51,10 +52,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .replay import cuda_devices, get_rng, set_rng
+from .replay import cuda_devices
+from .rng import RngState
 from .state import returns_output
 
-__all__ = ["Segments", "segments", "CompileError", "INDEX", "segment_count", "step_identity"]
+__all__ = ["Segments", "segments", "CompileError", "INDEX", "segment_count", "step_identity",
+           "StepCache", "forget_step"]
 
 #: the name of a segment's start index inside the compiled function: marked dynamic
 INDEX = "deepsolve_segment_start"
@@ -88,6 +91,68 @@ def step_identity(step: Any) -> Any:
     if isinstance(step, types.MethodType):
         return ("method", step.__self__, step.__func__)
     return ("callable", step)
+
+
+class StepCache:
+    """What is learnt about a step (its dispatch cost, whether compiling it paid), kept per
+    step without keeping the step alive: entries hang off the step weakly (a bound method:
+    its object, under its function), so a step that is dropped — a closure over a model, a
+    trainer's context and its process groups — takes its entries with it. Values must not
+    refer to the step. A step that cannot be weakly referenced is not cached."""
+
+    def __init__(self) -> None:
+        self._d: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def _split(step: Any) -> tuple[Any, Any]:
+        if isinstance(step, types.MethodType):
+            return step.__self__, step.__func__
+        return step, None
+
+    def get(self, step: Any, key: Any = None) -> Any:
+        owner, sub = self._split(step)
+        try:
+            return self._d.get(owner, {}).get((sub, key))
+        except TypeError:  # not weakly referenceable
+            return None
+
+    def put(self, step: Any, value: Any, key: Any = None) -> None:
+        owner, sub = self._split(step)
+        try:
+            self._d.setdefault(owner, {})[(sub, key)] = value
+        except TypeError:
+            pass
+
+    def pop(self, step: Any, key: Any = None) -> Any:
+        owner, sub = self._split(step)
+        try:
+            return self._d.get(owner, {}).pop((sub, key), None)
+        except TypeError:
+            return None
+
+    def forget(self, step: Any) -> None:
+        """Drop every entry of ``step`` (a function, or an object with its methods)."""
+        try:
+            self._d.pop(step, None)
+        except TypeError:
+            pass
+
+
+def forget_step(step: Any) -> None:
+    """Drop the compiled segments of ``step`` (a function, or an object and its bound
+    methods), which hold the step and what it closes over: the trainer does at the end of a
+    run, so that a finished run's model and process groups are freed with it."""
+    owner = step.__self__ if isinstance(step, types.MethodType) else step
+
+    def mine(key: Any) -> bool:
+        ident = key[0]
+        return ident[1] is owner
+    for key in [k for k in _cache if mine(k)]:
+        del _cache[key]
+    for key in [k for k in _compiled if mine(k)]:
+        del _compiled[key]
+    for key in [k for k in _eager_reasons if mine(k)]:
+        del _eager_reasons[key]
 
 
 def segments(step: Callable, k: int, n_steps: int | None, *, has_output: bool | None = None,
@@ -292,12 +357,12 @@ class Segments:
     def _find_output(self, state: Any, start: int) -> bool:
         """Whether the step returns ``(state, output)``: one eager step, RNG put back."""
         cuda = cuda_devices(_leaves(state))
-        rng = get_rng(cuda)
+        rng = RngState.capture(cuda)
         try:
             with torch.no_grad():
                 res = self.step(state, start)
         finally:
-            set_rng(rng, cuda)
+            rng.restore()
         spec = pytree.tree_structure(state)
         return returns_output(res, lambda x: pytree.tree_structure(x) == spec)
 
@@ -322,14 +387,14 @@ class Segments:
         the compiled function, or ``None`` (after falling back) when it cannot be trusted.
         A segment that draws random numbers is refused before anything is compiled."""
         cuda = cuda_devices(_leaves(state))
-        rng = get_rng(cuda)
+        rng = RngState.capture(cuda)
         with torch.no_grad():
             try:
                 ref = self._eager(length)(state, start)
             finally:
-                after = get_rng(cuda)
-                set_rng(rng, cuda)
-            if not _same_rng(rng, after):
+                after = RngState.capture(cuda)
+                rng.restore()
+            if not rng.same_torch(after):
                 self._fall_back("the step draws random numbers, which a compiled segment does "
                                 "not replay as the eager steps do (compile=False keeps them "
                                 "exact)", refuse=True)
@@ -338,10 +403,10 @@ class Segments:
             try:
                 got = fn(state, start)
             except Exception as e:
-                set_rng(rng, cuda)
+                rng.restore()
                 self._fall_back(f"the compiler cannot take it whole: {_first_line(e)}")
                 return None
-            set_rng(rng, cuda)
+            rng.restore()
         why = _misfit(got, ref, length) or self._grad_misfit(fn, state, start, length)
         if why is not None:
             self._fall_back(f"the compiled segment is not the eager one: {why}")
@@ -391,11 +456,6 @@ class Segments:
         n = self.n_steps
         return pytree.tree_map(
             lambda t: t.reshape(t.shape[0] * t.shape[1], *t.shape[2:])[:n], stacked)
-
-
-def _same_rng(a: tuple, b: tuple) -> bool:
-    return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1],
-                                                                              strict=True))
 
 
 def _first_line(e: BaseException) -> str:

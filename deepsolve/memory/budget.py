@@ -1,12 +1,21 @@
-"""Memory budgets: ``2GiB``, ``"512 MB"``, ``80%`` of the device, or plain bytes."""
+"""Memory budgets: ``2GiB``, ``"512 MB"``, ``80%`` of the device, or plain bytes.
+
+A budget is read once (:func:`read_budget`) into a :class:`MemoryBudget`: the form as
+written, its bytes, and for a percentage the fraction of the device's free memory it stands
+for. Everything downstream of a run's settings (the run configuration, the problem's
+context, the unroll, the log row) takes that one type; :func:`parse_budget` resolves any form,
+a :class:`MemoryBudget` included, to bytes.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["BudgetError", "parse_budget", "device_capacity", "format_bytes"]
+__all__ = ["BudgetError", "BudgetLike", "MemoryBudget", "read_budget", "parse_budget",
+           "budget_form", "device_capacity", "format_bytes"]
 
 
 class BudgetError(ValueError):
@@ -45,19 +54,74 @@ def device_capacity(device: torch.device | str | None = None) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def parse_budget(budget: int | float | str, device: torch.device | str | None = None) -> int:
-    """Bytes from a budget: an int (bytes), ``"512MiB"``, ``"2GB"``, ``"12 GiB"``, ``"80%"``.
+@dataclass(frozen=True, repr=False)
+class MemoryBudget:
+    """A budget read once: ``text`` as the user wrote it (``"12GiB"``, ``"80%"``, bytes),
+    ``nbytes`` the bytes it meant when it was read, and ``fraction`` (``0.8`` for ``"80%"``,
+    ``None`` otherwise) when it is a share of the device's free memory.
+
+    :meth:`resolve` gives the bytes now: ``nbytes``, or for a percentage the share of the
+    device's free memory at this moment; :meth:`fixed` is the same budget held at the bytes it
+    was read as (the trainer's ``budget_once``: every iteration plans with the same bytes)."""
+
+    text: str | int | float
+    nbytes: int
+    fraction: float | None = None
+
+    def resolve(self, device: torch.device | str | None = None) -> int:
+        if self.fraction is None:
+            return self.nbytes
+        return int(device_capacity(device) * self.fraction)
+
+    def fixed(self) -> MemoryBudget:
+        return self if self.fraction is None else replace(self, fraction=None)
+
+    def __str__(self) -> str:
+        return str(self.text)
+
+    def __repr__(self) -> str:  # as the user wrote it: messages name the budget so
+        return repr(self.text)
+
+
+#: Every form a budget may be given in.
+BudgetLike = int | float | str | MemoryBudget
+
+
+def read_budget(budget: BudgetLike,
+                device: torch.device | str | None = None) -> MemoryBudget:
+    """The :class:`MemoryBudget` of any budget form (a percentage resolved on ``device``);
+    ``ValueError`` of one line for a form that is not a budget (see :func:`parse_budget`)."""
+    if isinstance(budget, MemoryBudget):
+        return budget
+    nbytes, fraction = budget_form(budget)
+    if fraction is not None:
+        nbytes = int(device_capacity(device) * fraction)
+    return MemoryBudget(budget, nbytes, fraction)
+
+
+def parse_budget(budget: BudgetLike,
+                 device: torch.device | str | None = None) -> int:
+    """Bytes from a budget: an int (bytes), ``"512MiB"``, ``"2GB"``, ``"12 GiB"``, ``"80%"``,
+    or a :class:`MemoryBudget` (:meth:`MemoryBudget.resolve` on ``device``).
 
     Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers
     of 1024; a percentage is of :func:`device_capacity` of ``device``.
     """
+    if isinstance(budget, MemoryBudget):
+        return budget.resolve(device)
+    return read_budget(budget, device).nbytes
+
+
+def budget_form(budget: int | float | str) -> tuple[int, float | None]:
+    """A budget's form read without resolving it: ``(bytes, None)``, or ``(0, fraction)`` for
+    a percentage of the device; ``ValueError`` of one line for anything else."""
     if isinstance(budget, bool):
         raise ValueError(f"budget must be bytes or a string such as '2GiB' or '80%', "
                          f"got {budget!r}")
     if isinstance(budget, (int, float)):
         if budget <= 0 or budget != budget or budget == float("inf"):
             raise ValueError(f"budget must be a positive, finite number of bytes, got {budget!r}")
-        return int(budget)
+        return int(budget), None
     if not isinstance(budget, str):
         raise ValueError(f"budget must be bytes or a string such as '2GiB' or '80%', "
                          f"got {type(budget).__name__}")
@@ -69,7 +133,7 @@ def parse_budget(budget: int | float | str, device: torch.device | str | None = 
     if unit == "%":
         if not 0 < value <= 100:
             raise ValueError(f"a percentage budget must be in (0, 100], got {budget!r}")
-        return int(device_capacity(device) * value / 100)
+        return 0, value / 100
     factor = _UNITS.get(unit.lower())
     if factor is None:
         raise ValueError(f"unknown unit {unit!r} in budget {budget!r}; use B, kB, MB, GB, "
@@ -80,7 +144,7 @@ def parse_budget(budget: int | float | str, device: torch.device | str | None = 
     nbytes = int(value * factor)
     if nbytes <= 0:
         raise ValueError(f"budget must be positive, got {budget!r}")
-    return nbytes
+    return nbytes, None
 
 
 def format_bytes(n: float) -> str:

@@ -71,7 +71,7 @@ from ..engine import (
 from ..schedules import Schedule, mixed_cost, revolve_tail_cost
 from .agree import agree_level, agree_max, agree_min, agree_profile, group_size
 from .allocator import hold_to_budget, release_budget
-from .budget import BudgetError, device_capacity, format_bytes, parse_budget
+from .budget import BudgetError, BudgetLike, device_capacity, format_bytes, parse_budget
 from .library import affordable, load_policy_machinery, policy_machinery
 from .offload import DiskStorage
 from .profiling import StepProfile, profile_step
@@ -632,7 +632,7 @@ def _sync(state) -> None:
         torch.cuda.synchronize(leaves[0].device)
 
 
-def plan(step, state, n_steps: int, *, budget: int | str, params=None, device=None,
+def plan(step, state, n_steps: int, *, budget: BudgetLike, params=None, device=None,
          offload: str | None = None, spill_dir: str | None = None, policy: Any = None,
          snapshot_dtype: Any = None, group: Any = None) -> Plan:
     """Profile ``step`` on ``state`` (cached) and choose the fastest schedule for ``n_steps``
@@ -767,7 +767,7 @@ def measure_level(kind: str, leaves, spill_dir: str | None = None) -> SlowLevel:
     return level
 
 
-def online_snapshots(step, state, budget: int | str, max_steps: int | None = None,
+def online_snapshots(step, state, budget: BudgetLike, max_steps: int | None = None,
                      params=None, snapshot_dtype: Any = None) -> int:
     """Snapshot slots for an unknown-length unroll under ``budget``: the most that fit beside
     one recorded step, the working set and (with ``max_steps``) the stacked outputs; with

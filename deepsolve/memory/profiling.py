@@ -78,8 +78,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from ..engine import (
     CompiledPolicy,
     Recorder,
+    RngState,
     Step,
-    get_rng,
     graph_leaves,
     graph_nodes,
     policy_context,
@@ -432,11 +432,11 @@ def _profile_step(step, state, params, repeats: int, cache: bool,
     devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
     x = [t.detach() for t in leaves]
     state_bytes = sum(_nbytes(t) for t in x)
-    rng = get_rng(devices)
+    rng = RngState.capture(devices)
     with torch.no_grad():
         with LiveBytes(device) as lb:  # the warm-up, measured: the advance's working set
             _call(step, x, spec, 0)
-        draws = _moved(rng, get_rng(devices))
+        draws = not rng.same_torch(RngState.capture(devices))
         advance = lb.peak if lb.measured else 3 * state_bytes
         t_adv = []
         for _ in range(repeats):
@@ -492,12 +492,6 @@ def _with_units(prof: StepProfile, step, state, params) -> StepProfile:
         slot_extra=max(units.slot - S_, 0), units_measured=units.measured,
         profile_peak=max(working, units.peak or probe_peak(units.slot, units.kept, units.link,
                                                            S_, working)))
-
-
-def _moved(before, after) -> bool:
-    """Whether the random generators' state changed (the step drew random numbers)."""
-    return not (torch.equal(before[0], after[0]) and all(
-        torch.equal(a, b) for a, b in zip(before[1], after[1], strict=True)))
 
 
 def _sync(cuda: bool) -> None:

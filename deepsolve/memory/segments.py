@@ -47,7 +47,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..engine import EXPENSIVE_OPS, cuda_devices, get_rng, set_rng
+from ..engine import EXPENSIVE_OPS, RngState, StepCache, cuda_devices
 from .meter import process_status
 from .profiling import StepProfile
 
@@ -179,18 +179,18 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_dispatch: dict[Any, Dispatch] = {}
+_dispatch = StepCache()  # per step, without keeping the step alive
 
 
 def dispatch_cost(step: Callable, state: Any) -> Dispatch:
     """The step's :class:`Dispatch` (cached per step; the random generators are left as they
     were): its operations counted in one unrecorded step, then three more timed."""
-    key = (getattr(step, "__func__", step), id(getattr(step, "__self__", None)))
-    if key in _dispatch:
-        return _dispatch[key]
+    known = _dispatch.get(step)
+    if known is not None:
+        return known
     count = _Count()
     cuda = cuda_devices([t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)])
-    rng = get_rng(cuda)  # a stochastic step's stream is left where it was
+    rng = RngState.capture(cuda)  # a stochastic step's stream is left where it was
     t_step = float("inf")
     try:
         with torch.no_grad():
@@ -203,7 +203,7 @@ def dispatch_cost(step: Callable, state: Any) -> Dispatch:
                     torch.cuda.synchronize()
                 t_step = min(t_step, time.perf_counter() - t0)
     finally:
-        set_rng(rng, cuda)
+        rng.restore()
     x = torch.zeros(1)
     best = float("inf")
     for _ in range(3):
@@ -212,10 +212,7 @@ def dispatch_cost(step: Callable, state: Any) -> Dispatch:
             x = x + 1
         best = min(best, (time.perf_counter() - t0) / 200)
     got = Dispatch(max(count.n, 1), best, count.heavy, t_step)
-    try:
-        _dispatch[key] = got
-    except TypeError:  # unhashable step
-        pass
+    _dispatch.put(step, got)
     return got
 
 

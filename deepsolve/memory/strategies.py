@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 from .. import schedules as S
 from ..engine import policy_name
-from .budget import parse_budget
+from .budget import BudgetLike, parse_budget
 from .profiling import StepProfile
 
 __all__ = ["Strategy", "StoreAll", "Revolve", "Periodic", "Online", "TwoLevel", "RevolveTail",
@@ -439,7 +439,7 @@ class Budget(Strategy):
 
     kind = "budget"
 
-    def __init__(self, budget: int | str, offload: str | None = None,
+    def __init__(self, budget: BudgetLike, offload: str | None = None,
                  spill_dir: str | None = None, group: Any = None,
                  compile: bool | int | str = False):
         parse_budget(budget, "cpu" if isinstance(budget, str) and budget.strip().endswith("%")

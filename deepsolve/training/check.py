@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import run_config
+from ..engine import RngState
 from ..gradcheck import (
     ADVICE,
     DEFAULT_STEPS,
@@ -23,16 +24,12 @@ from ..gradcheck import (
     SCHEDULE_KW,
     GradientCheck,
     GradientRow,
-    RngState,
     check_gradients,
     default_rtol,
-    escaped_generators,
     format_error,
     grad_of,
     name_list,
     relative_error,
-    rng_get,
-    rng_set,
     zero_note,
 )
 from ..problem import load_problem
@@ -80,7 +77,7 @@ def check_problem(problem_path: str, *, steps: int | None = None,
 def _check_problem(problem_path: str, cfg: RunConfig, steps: int | None,
                    rtol: float | None) -> GradientCheck:
     problem, ctx, _ = build(problem_path, cfg)
-    rng0 = rng_get()
+    rng0 = RngState.everything()
 
     terms = None
 
@@ -135,11 +132,11 @@ def _loss_and_grads(problem, ctx, terms, weights: Mapping[str, float],
 def _evaluate(problem, ctx, rng0: RngState) -> tuple[dict, int, list[str]]:
     from ..pinn import SavedBytes
 
-    rng_set(rng0)
+    rng0.restore()
     with SavedBytes() as meter:
         terms = problem.residuals(ctx, 0)
         saved = meter.peak
-    return terms, saved, escaped_generators(rng0, rng_get())
+    return terms, saved, rng0.moved_host(RngState.everything())
 
 
 def _check_residuals(problem_path: str, problem, ctx, cfg: RunConfig, terms0, rng0: RngState,
@@ -178,7 +175,7 @@ def _check_residuals(problem_path: str, problem, ctx, cfg: RunConfig, terms0, rn
         chunk_budget = f"{max(saved_plain // 4, 1)}B"
         loss_chunk, g_chunk, saved_chunk = other({**{k: "" for k in keys}, key: chunk_budget})
     finally:
-        rng_set(rng0)
+        rng0.restore()
 
     big = max([float(g.double().norm()) for g in g_plain if g is not None] or [0.0])
     floor = FLOOR * big

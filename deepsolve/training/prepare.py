@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError, RunConfig, config_from_settings, resolve_threads, run_config
-from ..memory.budget import BudgetError
+from ..memory.budget import BudgetError, MemoryBudget
 from ..memory.strategies import Budget
 from ..problem import Context, Problem, ProblemError, load_problem
 from .restart import settings_dict
@@ -69,7 +69,11 @@ def build(problem_path: str, cfg: RunConfig | Mapping[str, Any], rank: int = 0,
 
     config = cfg if isinstance(cfg, RunConfig) else config_from_settings(cfg)
     problem, sha = load_problem(problem_path)
-    ctx = DistributedContext(config.as_dict(), config.device, config.dtype, rank, world_size)
+    budget = config.budget
+    if budget is not None and config.get("budget_once", True):
+        budget = budget.fixed()  # a "%" budget: the same bytes on every iteration
+    ctx = DistributedContext(config.as_dict(), config.device, config.dtype, rank, world_size,
+                             budget=budget)
     torch.manual_seed(int(config["seed"]))
     np.random.seed(int(config["seed"]) % 2**32)
     random.seed(int(config["seed"]))
@@ -86,7 +90,7 @@ def check_curriculum(problem_path: str, problem, ctx, stages) -> None:
     they were): a horizon that does not fit fails now, with the minimum it needs, not at the
     stage where it starts."""
     longest = max(n for _, n in stages)
-    if not ctx.budget:
+    if ctx.budget is None:
         return
     from ..memory.planner import plan
 
@@ -168,15 +172,15 @@ def plan_problem(problem_path: str, *, budget: str | int | None = None,
     problem0, _ = load_problem(problem_path)
     # the plan's budget is the run's: checked with the other settings, before the build
     config = run_config(problem0, {**(overrides or {}), "budget": budget}, sets)
-    chosen = config.get("budget")
-    if chosen in (None, "", 0) or (isinstance(chosen, str) and not chosen.strip()):
+    chosen = config.budget
+    if chosen is None:
         raise ConfigError(f"plan {problem_path}: the problem has no default budget; give "
                           "--budget (e.g. --budget 2GiB or 80%)")
     with run_threads(config.threads):
         return _plan_problem(problem_path, config, chosen)
 
 
-def _plan_problem(problem_path: str, cfg: RunConfig, budget: str | int):
+def _plan_problem(problem_path: str, cfg: RunConfig, budget: MemoryBudget):
     from ..memory.planner import plan
 
     problem, ctx, _ = build(problem_path, cfg)

@@ -1,5 +1,6 @@
 """The random state a restart file records: torch's CPU and CUDA generators, numpy's and
-Python's global ones, and the problem's own ``ctx.generator``.
+Python's global ones (one :class:`~deepsolve.engine.RngState`, the record the engine's replay
+and the gradient check use too), and the problem's own ``ctx.generator``.
 
 A resumed run draws the same numbers as the run it continues: :func:`rng_state` captures them
 at a restart, :func:`set_rng_state` puts them back, and :func:`check_rng_state` tries a
@@ -16,36 +17,45 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from ..engine import RngState
 from ..problem import Context
 
 __all__ = ["rng_state", "set_rng_state", "check_rng_state"]
 
 
 def rng_state(ctx: Context) -> dict[str, Any]:
-    # numpy's stub types the result `dict | tuple`; legacy=True (the default) gives the tuple
-    np_state = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
+    """The generators' state (:class:`~deepsolve.engine.RngState`, every CUDA device's where
+    CUDA is available) and ``ctx.generator``'s, in the restart file's form."""
+    devices = range(torch.cuda.device_count()) if torch.cuda.is_available() else ()
+    s = RngState.capture(devices, host=True)
+    np_state = cast("tuple[str, np.ndarray, int, int, float]", s.numpy)
     state = {
-        "torch": torch.get_rng_state(),
+        "torch": s.cpu,
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
                   int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": list(random.getstate()[1]) + [random.getstate()[0]],
+        "python": list(s.python[1]) + [s.python[0]],
         "generator": ctx.generator.get_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    if s.devices:
+        state["cuda"] = list(s.cuda)
     return state
 
 
-def set_rng_state(ctx: Context, state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+def _record(state: Mapping[str, Any], devices: int = 0) -> RngState:
+    """The :class:`~deepsolve.engine.RngState` of a restart file's ``rng`` (its first
+    ``devices`` CUDA states)."""
     name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     py = state["python"]
-    random.setstate((py[-1], tuple(py[:-1]), None))
+    cuda = tuple(state.get("cuda", ())[:devices])
+    return RngState(state["torch"], tuple(range(len(cuda))), cuda,
+                    (py[-1], tuple(py[:-1]), None),
+                    (name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def set_rng_state(ctx: Context, state: dict[str, Any]) -> None:
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    _record(state, devices).restore()
     ctx.generator.set_state(state["generator"])
-    if "cuda" in state and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s, i)
 
 
 def check_rng_state(state: Any) -> None:
@@ -56,10 +66,8 @@ def check_rng_state(state: Any) -> None:
     missing = [k for k in ("torch", "numpy", "python", "generator") if k not in state]
     if missing:
         raise KeyError(f"no {', '.join(missing)} state")
-    torch.Generator().set_state(state["torch"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.RandomState().set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss,
-                                       gauss))
-    py = state["python"]
-    random.Random().setstate((py[-1], tuple(py[:-1]), None))
+    r = _record(state)
+    torch.Generator().set_state(r.cpu)
+    np.random.RandomState().set_state(r.numpy)
+    random.Random().setstate(r.python)
     torch.Generator().set_state(state["generator"])

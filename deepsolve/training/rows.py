@@ -20,8 +20,7 @@ import torch
 
 from ..problem import Context, ProblemError
 
-__all__ = ["check_terms", "budget_bytes", "log_adjoint_norms", "add_rank_peaks",
-           "fit_memory_columns", "StatsSum"]
+__all__ = ["check_terms", "budget_bytes", "log_adjoint_norms", "add_rank_peaks", "StatsSum"]
 
 
 def check_terms(terms: Any, it: int) -> dict[str, torch.Tensor]:
@@ -49,47 +48,28 @@ def log_adjoint_norms(log, it: int, stats) -> None:
     log.append_curve("adjoint_norms", it, steps, norms.numpy()[steps])
 
 
-def add_rank_peaks(dist, log, row, device) -> None:
+def add_rank_peaks(dist, row, device) -> None:
     """Distributed runs: ``peak_device_memory_max``, ``peak_host_memory_max``,
     ``peak_real_memory_max`` and ``peak_tracked_memory_max``, the largest peak over the
-    ranks (the columns without ``_max`` stay rank 0's). Each is kept in a resumed log that
-    has it and left out of one that does not (columns are fixed)."""
+    ranks (the columns without ``_max`` stay rank 0's)."""
     from ..distributed import gather_floats, nanmax
 
+    if not dist.enabled:
+        return
     keys = ("peak_device_memory", "peak_host_memory", "peak_real_memory",
             "peak_tracked_memory")
-    per_rank = gather_floats(dist, [row[k] for k in keys], device)
+    per_rank = gather_floats(dist, [row[k] for k in keys], device)   # every rank takes part
     if per_rank is None:
         return
-    cols = log.columns
     for j, k in enumerate(keys):
-        if (dist.enabled and not cols) or f"{k}_max" in cols:
-            row[f"{k}_max"] = nanmax([r[j] for r in per_rank])
-
-
-def fit_memory_columns(log, row) -> None:
-    """A log resumed from a run that did not log the real and tracked peaks keeps its
-    columns (they are fixed by the first row): leave those two out of its rows."""
-    cols = log.columns
-    if cols:
-        for k in _MEMORY_COLUMNS:
-            if k not in cols:
-                row.pop(k, None)
-
-
-_MEMORY_COLUMNS = ("peak_real_memory", "peak_tracked_memory", "budget_bytes")
+        row[f"{k}_max"] = nanmax([r[j] for r in per_rank])
 
 
 def budget_bytes(ctx: Context) -> float:
     """The run's budget in bytes for the log row (NaN without one): the bytes resolved once
     at the start, or, with ``budget_once`` off, a ``"%"`` budget resolved again at the end of
     the iteration (what the next unroll will be given, up to memory that changes meanwhile)."""
-    from ..memory.budget import parse_budget
-
-    b = ctx.budget
-    if not b:
-        return math.nan
-    return float(b) if isinstance(b, (int, float)) else float(parse_budget(b, ctx.device))
+    return math.nan if ctx.budget is None else float(ctx.budget.resolve(ctx.device))
 
 
 class StatsSum:

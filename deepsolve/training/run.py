@@ -42,7 +42,6 @@ from .rows import (
     add_rank_peaks,
     budget_bytes,
     check_terms,
-    fit_memory_columns,
     log_adjoint_norms,
 )
 from .rundir import (
@@ -153,13 +152,14 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
             state = load_restart(files.restart)   # rank 0 has checked it against the log
             start = RunStart(start=state["iteration"], restart=state)
         start.created = created
+        run = Run(problem_path, cfg, dist, files, start, stop, quiet)
         try:
-            run = Run(problem_path, cfg, dist, files, start, stop, quiet)
             run.setup()
             res = run.train()
             res.interrupted = stop.interrupted
             return res
         finally:
+            run.close()
             if lock is not None:
                 lock.release()
 
@@ -216,7 +216,6 @@ class Run:
         self.problem_path, self.cfg, self.dist, self.files = problem_path, cfg, dist, files
         self.begin, self.stop, self.quiet = start, stop, quiet
         self.main = dist.is_main
-        self.budget = cfg.budget_bytes
         self.log: Log = NoLog()
         self.wrote = {"rows": False, "restart": False}
 
@@ -231,8 +230,6 @@ class Run:
         cfg, dist = self.cfg, self.dist
         try:
             problem, ctx, sha = build(self.problem_path, cfg, dist.rank, dist.world_size)
-            if self.budget is not None and cfg["budget_once"]:
-                ctx.budget = self.budget
             check_mesh(self.problem_path, dist, ctx)
             D.check_batch(dist, problem, ctx)
             model = ctx.model
@@ -272,8 +269,8 @@ class Run:
         cfg, start = self.cfg, self.begin.start
         attrs = dict(log_attrs(self.problem_path, self.sha, cfg, self.ctx.device),
                      world_size=self.dist.world_size, threads=torch.get_num_threads())
-        if self.budget is not None:
-            attrs["budget_bytes"] = int(self.budget)
+        if cfg.budget is not None:
+            attrs["budget_bytes"] = cfg.budget.nbytes
         attrs["weights"] = {k: float(v) for k, v in self.weights.items()}
         if not self.begin.resume_log:   # before training: the model as built
             attrs["initial_metrics"] = self.baseline
@@ -289,6 +286,14 @@ class Run:
         if cfg["tensorboard"]:
             self.log = mirrored(self.log, os.path.join(self.files.run_dir, cfg["tensorboard"]),
                                 start)
+
+    def close(self) -> None:
+        """Let go of the run: the context's compiled steps (which hold the context, its
+        model and, in a distributed run, its mesh's process groups) are dropped, so that
+        ``train`` can end the process groups whole (:func:`deepsolve.distributed.cleanup`)."""
+        ctx = getattr(self, "ctx", None)
+        if ctx is not None:
+            ctx.release()
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -388,12 +393,11 @@ class Run:
                  and it % max(int(cfg.get("memory_every", 1)), 1) == 0)
         row, loss = self._step(it, track)
         row["budget_bytes"] = budget_bytes(ctx)
-        if self.stages and (not log.columns or "n_steps" in log.columns):
-            row["n_steps"] = int(ctx.horizon)  # (a resumed log without it: left out)
+        if self.stages:
+            row["n_steps"] = int(ctx.horizon)
         if adjoint:
             log_adjoint_norms(log, it, ctx.unroll_stats)
-        add_rank_peaks(dist, log, row, ctx.device)
-        fit_memory_columns(log, row)
+        add_rank_peaks(dist, row, ctx.device)
         for k in self.baseline:
             row[f"metric/{k}"] = math.nan
         eval_every = int(cfg["eval_every"])

@@ -67,10 +67,11 @@ class H5Log:
             (checked at each :meth:`append`).
         block_rows: flush automatically once this many rows are buffered.
 
-    Columns are fixed by the first row appended to a log without datasets: give every column
-    in that row (``NaN`` for a metric not evaluated at that iteration). A later row with an
-    unknown column raises :class:`LogError`; a missing column is written as NaN, ``-1`` for
-    int64 columns, ``""`` for strings. ``iteration`` is required and strictly increasing.
+    A row may bring a new column: the rows before it get NaN there (``-1`` in int64 columns,
+    ``""`` in strings), and so does a later row that leaves a column out. Its kind (int64,
+    float64, string) is fixed by its first value. A new column after the first rows have been
+    written publishes the file again (like a resume), so it costs a copy of the log: add
+    columns rarely, not every iteration. ``iteration`` is required and strictly increasing.
 
     Only one writer may use a log at a time (the trainer holds a lock on its run directory).
     """
@@ -293,49 +294,72 @@ class H5Log:
         ``block_rows`` rows are buffered or ``flush_seconds`` have passed.
 
         Raises:
-            LogError: missing or non-increasing ``iteration``, a column the log does not
-                have, a value of the wrong type for its column.
+            LogError: missing or non-increasing ``iteration``, a column name that is not a
+                string or maps to another column's dataset, a value of the wrong type for its
+                column.
         """
         if self._closed:
             raise LogError(f"{self.path}: log is closed")
         if "iteration" not in row:
             raise LogError(f"{self.path}: every row needs an 'iteration'")
-        if not self._kinds:  # the first row fixes the columns
-            kinds = {"iteration": "i"}
-            ds_names: dict[str, str] = {}
-            for k, v in row.items():
-                if not isinstance(k, str):
-                    raise LogError(f"column names must be strings, got {k!r}")
-                ds = column_to_dataset(k)
-                if ds in ds_names:
-                    raise LogError(f"{self.path}: columns {ds_names[ds]!r} and {k!r} map to "
-                                   f"the same dataset {ds!r}")
-                ds_names[ds] = k
-                if k != "iteration":
-                    kinds[k] = _kind_of(_scalar(v))
-            new_kinds = kinds
-        else:
-            new_kinds = None
-            unknown = [k for k in row if k not in self._kinds]
-            if unknown:
-                raise LogError(
-                    f"{self.path}: new column(s) {', '.join(map(repr, unknown))}; the columns "
-                    f"were fixed by the first row ({', '.join(self._kinds)}): give every "
-                    f"column in the first row, NaN where not evaluated")
-        kinds = new_kinds if new_kinds is not None else self._kinds
+        unknown = [k for k in row if k not in self._kinds]
+        new_kinds = self._new_kinds(row, unknown) if unknown else {}
+        kinds = {**self._kinds, **new_kinds}
         out = {k: _convert(kinds[k], k, v) for k, v in row.items()}
         it = out["iteration"]
         if it < 0 or it <= self._last_it:
             raise LogError(
                 f"{self.path}: iteration {it} after iteration {self._last_it}: iterations must "
                 f"be >= 0 and strictly increasing (call truncate_after() when resuming)")
-        if new_kinds is not None:
-            self._kinds = new_kinds
+        if new_kinds:
+            self._add_columns(new_kinds)
         self._buf.append(out)
         self._last_it = it
         if len(self._buf) >= self.block_rows or \
                 time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
+
+    def _new_kinds(self, row: Mapping[str, Any], names: list[str]) -> dict[str, str]:
+        """The kinds of the columns ``names`` that ``row`` adds (``iteration`` first in a new
+        log); a name that is not a string, or maps to a dataset another column has, fails."""
+        taken = {column_to_dataset(c): c for c in self._kinds}
+        kinds = {} if self._kinds else {"iteration": "i"}
+        for k in names:
+            if not isinstance(k, str):
+                raise LogError(f"column names must be strings, got {k!r}")
+            ds = column_to_dataset(k)
+            if ds in taken:
+                raise LogError(f"{self.path}: columns {taken[ds]!r} and {k!r} map to the same "
+                               f"dataset {ds!r}")
+            taken[ds] = k
+            if k != "iteration":
+                kinds[k] = _kind_of(_scalar(row[k]))
+        return kinds
+
+    def _add_columns(self, kinds: dict[str, str]) -> None:
+        """Add columns: the rows already written get NaN (-1, ``""``) in them. Before the
+        file has datasets the buffer simply grows them; after, the written rows and curves
+        are flushed and the file is published again with the new datasets (SWMR allows no
+        new dataset in an open file), so readers see the old or the new file, whole."""
+        if self._f is None:
+            self._kinds.update(kinds)
+            return
+        self.flush()
+        assert self._f is not None
+        n = self._n
+        data = {c: (d.asstr()[:n] if self._kinds[c] == "s" else d[:n])
+                for c, d in self._dsets.items()}
+        for name, (d_it, d_st, d_va) in self._cdsets.items():
+            k = self._cn[name]
+            self._old_curves[name] = {"iteration": d_it[:k], "step": d_st[:k],
+                                      "value": d_va[:k]}
+        self._f.close()
+        self._f = None
+        for c, kind in kinds.items():
+            data[c] = np.full(n, _FILL[kind], dtype=_DTYPE[kind]) if kind != "s" else \
+                np.array([""] * n, dtype=object)
+        self._kinds.update(kinds)
+        self._publish(data)
 
     def _block(self, col: str) -> np.ndarray:
         kind = self._kinds[col]
