@@ -9,13 +9,17 @@ Opt-in fixtures a module requests with ``pytestmark = pytest.mark.usefixtures(NA
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
 
 def _global_state() -> dict:
     return {"torch threads": torch.get_num_threads(),
+            "signal handlers": tuple(signal.getsignal(s) for s in _SIGNALS),
             "default dtype": torch.get_default_dtype(),
             "grad mode": torch.is_grad_enabled(),
             "anomaly detection": torch.is_anomaly_enabled(),
@@ -28,8 +32,9 @@ def _global_state() -> dict:
 def _no_leaked_global_state(request):
     """No test changes process-wide state another test would see (a module-scoped fixture
     may, for its module: ``single_thread``): a test that leaves torch's threads, default
-    dtype, grad or anomaly mode, the working directory or ``OMP_NUM_THREADS`` changed fails,
-    and the state is put back."""
+    dtype, grad or anomaly mode, the working directory, the handlers of SIGINT, SIGTERM and
+    SIGUSR1 (an ignored SIGINT is inherited by every process a later test starts) or
+    ``OMP_NUM_THREADS`` changed fails, and the state is put back."""
     before = _global_state()
     yield
     after = _global_state()
@@ -41,6 +46,8 @@ def _no_leaked_global_state(request):
         torch.autograd.set_detect_anomaly(before["anomaly detection"])
         torch.use_deterministic_algorithms(before["deterministic algorithms"])
         os.chdir(before["working directory"])
+        for sig, handler in zip(_SIGNALS, before["signal handlers"], strict=True):
+            signal.signal(sig, handler)
         if before["OMP_NUM_THREADS"] is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:

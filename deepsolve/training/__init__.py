@@ -9,7 +9,7 @@ one stops at once) it flushes the log and then writes ``RUN_DIR/restart.pt`` ato
 the log always holds the restart file's rows.
 
 Before any work — loading data, building the model, making the run directory — the
-settings become one frozen :class:`~deepsolve.config.RunConfig` (:func:`resolve_config`):
+settings become one frozen :class:`~deepsolve.config.RunConfig` (:func:`prepare`):
 every setting checked, the budget, device, dtype and thread count parsed, so a bad
 ``--budget``, ``--device`` or ``--set`` is a one-line error that leaves nothing behind. A
 fresh run that fails before its first row (a ``build`` that raises, a ``BudgetError`` at the
@@ -42,7 +42,7 @@ One concern per module, each importing only those listed before it:
 from __future__ import annotations
 
 from ..config import DEFAULT_THREADS, ConfigError, RunConfig
-from .prepare import apply_threads, build, plan_problem, resolve_config, run_threads
+from .prepare import apply_threads, build, plan_problem, prepare, resolve_config, run_threads
 from .restart import RestartError, load_restart, save_restart
 from .run import Run, TrainResult, train
 from .rundir import RunDirBusy, remove_stale_temporaries
@@ -50,5 +50,5 @@ from .signals import INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 __all__ = ["train", "TrainResult", "Run", "PREEMPTED_EXIT_CODE", "INTERRUPTED_EXIT_CODE",
            "plan_problem", "RestartError", "RunDirBusy", "save_restart", "load_restart",
-           "remove_stale_temporaries", "RunConfig", "ConfigError", "resolve_config",
+           "remove_stale_temporaries", "RunConfig", "ConfigError", "resolve_config", "prepare",
            "DEFAULT_THREADS", "build", "apply_threads", "run_threads"]

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import run_config
 from ..engine import RngState
 from ..gradcheck import (
     ADVICE,
@@ -32,8 +31,7 @@ from ..gradcheck import (
     relative_error,
     zero_note,
 )
-from ..problem import load_problem
-from .prepare import build, run_threads
+from .prepare import build, prepare, run_threads
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -68,8 +66,7 @@ def check_problem(problem_path: str, *, steps: int | None = None,
     ``ValueError`` for a bad ``steps`` or a problem whose unroll has no fixed length.
     """
 
-    problem0, _ = load_problem(problem_path)
-    cfg = run_config(problem0, overrides, sets)   # every setting checked before the build
+    cfg = prepare(problem_path, overrides, sets)   # every setting checked before the build
     with run_threads(cfg.threads):
         return _check_problem(problem_path, cfg, steps, rtol)
 

@@ -2,7 +2,7 @@
 the checks that must fail before the first iteration (curriculum, mesh), and the plan of its
 unroll (``deepsolve plan``).
 
-:func:`resolve_config` is the one entry from a problem and its overrides to a frozen
+:func:`prepare` is the one entry from a problem file and its overrides to a frozen
 :class:`~deepsolve.config.RunConfig`; :func:`build` imports the problem file and builds its
 model and data under the run's seed; ``train``, ``plan`` and ``check`` share both.
 """
@@ -29,8 +29,18 @@ from ..memory.strategies import Budget
 from ..problem import Context, Problem, ProblemError, load_problem
 from .restart import settings_dict
 
-__all__ = ["resolve_config", "apply_threads", "run_threads", "build", "check_curriculum",
+__all__ = ["prepare", "resolve_config", "apply_threads", "run_threads", "build", "check_curriculum",
            "check_mesh", "plan_problem", "log_attrs"]
+
+
+def prepare(problem_path: str, overrides: Mapping[str, Any] | None = None,
+            sets: list[str] | None = None) -> RunConfig:
+    """What ``train``, ``plan`` and ``check`` do first: import the problem file and make its
+    run configuration (every setting checked and parsed: budget, device, dtype, threads)
+    before any data is loaded, model built or directory made, so that a bad setting fails
+    here, in a second, and leaves nothing behind."""
+    problem, _ = load_problem(problem_path)
+    return run_config(problem, overrides, sets)
 
 
 def resolve_config(problem: Problem, overrides: Mapping[str, Any] | None = None,
@@ -169,9 +179,8 @@ def plan_problem(problem_path: str, *, budget: str | int | None = None,
     """The plan ``train`` would use for the problem's unroll under ``budget`` (default: the
     problem's ``budget`` setting, as ``train`` uses it): builds the problem, captures its
     first ``ctx.unroll`` call and plans it."""
-    problem0, _ = load_problem(problem_path)
     # the plan's budget is the run's: checked with the other settings, before the build
-    config = run_config(problem0, {**(overrides or {}), "budget": budget}, sets)
+    config = prepare(problem_path, {**(overrides or {}), "budget": budget}, sets)
     chosen = config.budget
     if chosen is None:
         raise ConfigError(f"plan {problem_path}: the problem has no default budget; give "

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ..config import RunConfig, horizon, parse_curriculum, run_config
+from ..config import RunConfig, horizon, parse_curriculum
 from ..memory.meter import host_high_water_mark, process_status, reset_high_water_mark
-from ..problem import ProblemError, load_problem
-from .prepare import build, check_curriculum, check_mesh, log_attrs, run_threads
+from ..problem import ProblemError
+from .prepare import build, check_curriculum, check_mesh, log_attrs, prepare, run_threads
 from .progress import note, progress
 from .restart import restore, save_restart
 from .rows import (
@@ -89,10 +89,7 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
     rank stops all of them after the same iteration (see :mod:`deepsolve.distributed`)."""
     from .. import distributed as D
 
-    problem0, _ = load_problem(problem_path)
-    # every setting checked and parsed (budget, device, dtype, threads) before any work: a
-    # bad one fails here, and nothing has been made
-    config = run_config(problem0, overrides, sets)
+    config = prepare(problem_path, overrides, sets)   # a bad setting fails here: nothing made
     with run_threads(config.threads):   # the caller's thread count is restored after
         dist, device_name = D.setup(config["device"], float(config["dist_timeout"]))
         try:
