@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .memory.budget import MemoryBudget, read_budget
+from .memory.budget import MemoryBudget, no_budget, read_budget
 from .problem import Problem
 from .settings import TRAINER_SETTINGS, ConfigError, Setting, apply_overrides, parse_curriculum
 
@@ -236,7 +236,7 @@ def resolve_threads(threads: Any) -> int:
 
 
 def _read_budget(budget: Any, device: torch.device) -> MemoryBudget | None:
-    if budget in ("", None, 0) or (isinstance(budget, str) and not budget.strip()):
+    if no_budget(budget):
         return None
     try:
         return read_budget(budget, device)

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from .engine import UnrollStats, forget_step
-from .memory.budget import MemoryBudget, read_budget
+from .memory.budget import MemoryBudget, no_budget, read_budget
 from .memory.strategies import Reversible
 from .settings import TRAINER_DEFAULTS, Setting, apply_overrides, parse_compile, settings_table
 from .unroll import unroll
@@ -82,7 +82,7 @@ class Context:
         self.rank = rank
         self.world_size = world_size
         self.unroll_stats: list[UnrollStats] = []
-        if budget is None and cfg.get("budget") not in ("", None, 0):
+        if budget is None and not no_budget(cfg.get("budget")):
             budget = read_budget(cfg["budget"], device)
         self.budget: MemoryBudget | None = budget
         self.cached: dict[str, tuple[str, bool]] = {}

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .memory.budget import budget_form
+from .memory.budget import budget_form, no_budget
 
 __all__ = ["ConfigError", "Setting", "TRAINER_SETTINGS", "TRAINER_DEFAULTS", "settings_table",
            "describe", "parse_compile", "parse_curriculum", "apply_overrides"]
@@ -199,7 +199,7 @@ def parse_curriculum(text: Any) -> tuple[tuple[int, int], ...]:
 def _check_budget(value: Any) -> None:
     """A budget's form (bytes, ``"2GiB"``, ``"80%"``; ``""`` or ``None``: none); the bytes of
     a percentage are resolved later, on the run's device."""
-    if value in ("", None, 0) or (isinstance(value, str) and not value.strip()):
+    if no_budget(value):
         return
     if isinstance(value, bool) or not isinstance(value, (str, numbers.Real)):
         raise ConfigError(f"setting budget={value!r} is a {type(value).__name__}, not bytes or "

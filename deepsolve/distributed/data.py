@@ -155,7 +155,7 @@ def cleanup(info: DistInfo) -> None:
     "terminate called without an active exception" (SIGABRT) — or hangs. So the cycle is
     collected here, while every thread can still end normally: the trainer drops the run's
     caches first (:meth:`~deepsolve.Context.release`), and tests/test_distributed.py checks
-    that a rank's thread count is back where it was when ``train`` returns."""
+    that no context of the run is alive in a rank when ``train`` returns."""
     if info.initialized_here and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         gc.collect()

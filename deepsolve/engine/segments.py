@@ -123,36 +123,15 @@ class StepCache:
         except TypeError:
             pass
 
-    def pop(self, step: Any, key: Any = None) -> Any:
-        owner, sub = self._split(step)
-        try:
-            return self._d.get(owner, {}).pop((sub, key), None)
-        except TypeError:
-            return None
-
-    def forget(self, step: Any) -> None:
-        """Drop every entry of ``step`` (a function, or an object with its methods)."""
-        try:
-            self._d.pop(step, None)
-        except TypeError:
-            pass
-
 
 def forget_step(step: Any) -> None:
     """Drop the compiled segments of ``step`` (a function, or an object and its bound
     methods), which hold the step and what it closes over: the trainer does at the end of a
     run, so that a finished run's model and process groups are freed with it."""
     owner = step.__self__ if isinstance(step, types.MethodType) else step
-
-    def mine(key: Any) -> bool:
-        ident = key[0]
-        return ident[1] is owner
-    for key in [k for k in _cache if mine(k)]:
-        del _cache[key]
-    for key in [k for k in _compiled if mine(k)]:
-        del _compiled[key]
-    for key in [k for k in _eager_reasons if mine(k)]:
-        del _eager_reasons[key]
+    for table in (_cache, _compiled, _eager_reasons):   # keyed by (step_identity, ...)
+        for key in [k for k in table if k[0][1] is owner]:
+            del table[key]
 
 
 def segments(step: Callable, k: int, n_steps: int | None, *, has_output: bool | None = None,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 __all__ = ["BudgetError", "BudgetLike", "MemoryBudget", "read_budget", "parse_budget",
-           "budget_form", "device_capacity", "format_bytes"]
+           "budget_form", "no_budget", "device_capacity", "format_bytes"]
 
 
 class BudgetError(ValueError):
@@ -85,6 +85,11 @@ class MemoryBudget:
 
 #: Every form a budget may be given in.
 BudgetLike = int | float | str | MemoryBudget
+
+
+def no_budget(value: object) -> bool:
+    """Whether a budget setting says "no budget": ``""`` (or blanks), ``None`` or 0."""
+    return value in ("", None, 0) or (isinstance(value, str) and not value.strip())
 
 
 def read_budget(budget: BudgetLike,
