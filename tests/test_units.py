@@ -18,7 +18,7 @@ import deepsolve
 from deepsolve.engine import Replay, SnapshotPool
 from deepsolve.memory import hostalloc, profile_step
 from deepsolve.memory.live import heap_in_use
-from deepsolve.memory.units import quantize
+from deepsolve.memory.units import OBJECTS_RESOLUTION, quantize, resolution
 
 DT = torch.float64
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,6 +36,14 @@ def test_quantize_rounds_up_by_at_most_an_eighth():
         assert x <= q <= max(x * 9 / 8, x + 16) and q >= last
         last = q
     assert quantize(1000) == quantize(1001) and quantize(0) == 0
+    for tensors in (0, 100, 1024, 8192, 10**6):  # objects beside tensors: a coarser floor
+        step, last = resolution(tensors), 0
+        assert step <= max(16, tensors / 16) and step <= OBJECTS_RESOLUTION
+        for x in range(1, 5000, 7):
+            q = quantize(x, step)
+            assert x <= q <= max(x * 9 / 8, x + step) and q % step == 0 and q >= last
+            last = q
+    assert quantize(600, resolution(8192)) == quantize(1000, resolution(8192)) == 1024
 
 
 SCALE = r"""

@@ -49,8 +49,9 @@ does not weigh it.
 *The same figures in every process.* On the CPU the whole profile runs in a thread of its
 own, with large blocks mapped whole pages: the C library's free blocks from this process's
 history (whose order differs between processes) do not change what the step's blocks cost,
-and the engine's units are medians over identical units, rounded up to 1/8 of their order
-of magnitude. A budget then gives one plan.
+and the engine's units are medians over identical units, their objects rounded up to 1/8
+of their order of magnitude and to :func:`~deepsolve.memory.units.resolution` at least. A
+budget then gives one plan.
 
 Profiles are cached per (step, state shapes, dtypes, device, policy name) so a training loop
 that calls ``unroll(..., budget=...)`` every iteration profiles once; policies given as

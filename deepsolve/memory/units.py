@@ -44,9 +44,10 @@ eight times what it holds (below that few units fit, and they are estimated).
 *One budget, one plan.* The probe runs in a thread of its own (:func:`in_fresh_thread`),
 so the C library serves its blocks from an arena and a thread cache that this process's
 history has not touched: the readings are the same in every process, to the byte. The
-objects' bytes are then rounded *up* to 1/8 of their binary order of magnitude (at most
-12.5 % more of them, see :func:`quantize`): what Python's free lists and the C library's
-reuse of a slightly larger chunk move by a few bytes does not move the figure.
+objects' bytes are then rounded *up* to 1/8 of their binary order of magnitude, and to
+:func:`resolution` at least (see :func:`quantize`): what Python's free lists, torch's
+own small blocks and the C library's reuse of a slightly larger chunk move by tens of bytes
+does not move the figure.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ from ..schedules.actions import Advance, Record, Reverse, Store
 from . import hostalloc
 from .live import heap_in_use
 
-__all__ = ["Units", "measure_units", "quantize", "probe_counts", "probe_peak", "PROBE_BYTES",
-           "HEAP_RESIDENT", "PYMALLOC_RESIDENT", "python_objects", "in_fresh_thread", "bookkeeping",
-    "backward_bytes_per_node", "BACKWARD_BYTES_PER_NODE"]
+__all__ = ["Units", "measure_units", "quantize", "resolution", "OBJECTS_RESOLUTION",
+           "probe_counts", "probe_peak", "PROBE_BYTES", "HEAP_RESIDENT", "PYMALLOC_RESIDENT",
+           "python_objects", "in_fresh_thread", "bookkeeping", "backward_bytes_per_node",
+           "BACKWARD_BYTES_PER_NODE"]
 
 PROBE_BYTES = 64 * 1024
 """Units smaller than this get a second pass that traces Python's objects."""
@@ -138,14 +140,32 @@ def bookkeeping() -> int:
     return _bookkeeping
 
 
-def quantize(nbytes: float) -> int:
+OBJECTS_RESOLUTION = 512
+"""The coarsest step, in bytes, to which a unit's objects (what is not its tensors) are
+rounded; the step is 1/16 of the binary order of the unit's tensors up to this (see
+:func:`resolution`). Objects are known to a few hundred bytes between processes: the traced
+pass of the Navier–Stokes closure step (an 8 KiB state) read 299–478 bytes of objects a
+snapshot in fresh processes (450–720 bytes resident), in steps of 67 bytes — a small block
+that torch's own ops (``reshape``, ``new_zeros``) allocate and keep in some units and not in
+others, which the median over units flips between."""
+
+
+def resolution(tensor_bytes: int) -> int:
+    """The step for the objects beside ``tensor_bytes`` of tensors: 1/16 of their binary
+    order of magnitude (at most 6.25 % of the unit), from 16 bytes to
+    :data:`OBJECTS_RESOLUTION`."""
+    order = math.floor(math.log2(tensor_bytes)) if tensor_bytes > 0 else 0
+    return min(OBJECTS_RESOLUTION, max(16, 2 ** (order - 4)))
+
+
+def quantize(nbytes: float, resolution: int = 16) -> int:
     """``nbytes`` rounded up to a multiple of 1/8 of its binary order of magnitude
-    (``2**(floor(log2(x)) - 3)``, at least 16 bytes): at most 12.5 % more (of the objects'
-    part only: tensors are counted exactly), and a quantity that moves by less than a step
-    between processes gives the same number."""
+    (``2**(floor(log2(x)) - 3)``, at least ``resolution`` bytes): at most 12.5 % or
+    ``resolution`` bytes more (of the objects' part only: tensors are counted exactly), and
+    a quantity that moves by less than a step between processes gives the same number."""
     if nbytes <= 0:
         return 0
-    step = max(16, 2 ** (math.floor(math.log2(nbytes)) - 3))
+    step = max(resolution, 2 ** (math.floor(math.log2(nbytes)) - 3))
     return int(math.ceil(nbytes / step) * step)
 
 
@@ -413,20 +433,22 @@ def measure_units(step, state, params, state_bytes: int, kept_estimate: int,
             if not tracing:
                 tracemalloc.stop()
 
-    def unit(h: tuple, py: tuple, tensors_fallback: int) -> tuple[int, int]:
+    def unit(h: tuple, py: tuple, tensors_fallback: int, beside: int = 0,
+             size: int | None = None) -> tuple[int, int]:
         total, tensors = h
         if not counted:
             tensors = tensors_fallback
         objects = HEAP_RESIDENT * max(total - tensors, 0) + PYMALLOC_RESIDENT * max(py[0], 0)
-        return int(tensors) + quantize(objects), int(tensors)
+        step = resolution(int(tensors) if size is None else size)
+        return int(tensors) + quantize(objects + beside, step), int(tensors)
 
-    s, s_t = unit(slot, python[0], state_bytes)
+    # a snapshot also costs what the schedule and the interpreter's table keep of it
+    s, s_t = unit(slot, python[0], state_bytes, bookkeeping(), size=state_bytes)
     if state_bytes < POOL_BELOW:  # the engine packs small states into its snapshot pool:
         # a block of rows allocated before the readings, so a snapshot is its state's bytes
         # in a row plus what the differences saw (its record, the objects around it and the
         # random generators' state when the step draws random numbers)
         s, s_t = state_bytes + s, state_bytes + s_t
-    s += bookkeeping()  # what the schedule and the interpreter's table keep per snapshot
     kk, k_t = unit(kept, python[1], kept_estimate)
     ln, l_t = unit(link, python[2], kept_estimate)
     peak = 0
