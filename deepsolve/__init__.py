@@ -56,7 +56,7 @@ try:
         Strategy,
         TwoLevel,
     )
-    from .problem import Context, Problem
+    from .problem import Context, Curve, Problem
     from .sequential import SequentialStats, sequential
     from .settings import Setting
     from .unroll import UnrollStats, unroll
@@ -70,7 +70,7 @@ __all__ = [
     "schedules", "unroll", "UnrollStats", "CompiledPolicy", "plan", "Plan", "BudgetError",
     "Strategy", "StoreAll", "Revolve", "Periodic", "Online", "TwoLevel", "RevolveTail", "Mixed",
     "Budget", "Reversible", "reversible",
-    "Problem", "Context", "Setting",
+    "Problem", "Context", "Curve", "Setting",
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
     "Implicit", "Unrolled", "Phantom", "Auto",
     "sequential", "SequentialStats",

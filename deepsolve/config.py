@@ -163,7 +163,8 @@ def config_from_settings(settings: Mapping[str, Any], table: Mapping[str, Settin
     device = parse_device(name_here)
     threads = resolve_threads(cfg.get("threads", 0))
     budget = _read_budget(cfg.get("budget"), device)
-    stages = parse_curriculum(cfg.get("curriculum", ""))
+    stages = parse_curriculum(cfg.get("curriculum", ""), cfg.get("iterations"),
+                              cfg.get("steps"))
     if stages and "steps" in cfg and max(n for _, n in stages) > int(cfg["steps"]):
         raise ConfigError(f"--set curriculum={cfg['curriculum']}: its longest stage "
                           f"({max(n for _, n in stages)} steps) exceeds steps={cfg['steps']}, "

@@ -46,9 +46,19 @@ from .memory.strategies import Reversible
 from .settings import TRAINER_DEFAULTS, Setting, apply_overrides, parse_compile, settings_table
 from .unroll import unroll
 
-__all__ = ["Problem", "Context", "load_problem", "ProblemError", "TRAINER_DEFAULTS",
+__all__ = ["Problem", "Context", "Curve", "load_problem", "ProblemError", "TRAINER_DEFAULTS",
            "Setting", "apply_overrides", "parse_compile"]
 
+
+
+class Curve(NamedTuple):
+    """A curve that :meth:`Problem.evaluate` returns beside its numbers: ``values[j]`` at
+    the integer ``steps[j]`` (a rollout's step count, say), at most
+    :data:`deepsolve.io.log.CURVE_WIDTH` points (more are thinned evenly, the first and the
+    last kept). Logged as the curve group ``eval_<name>`` (:func:`deepsolve.io.read_curves`)."""
+
+    steps: Any
+    values: Any
 
 class ProblemError(ValueError):
     """A problem file is missing, broken, or does not define ``problem`` correctly."""
@@ -223,8 +233,11 @@ class Problem:
         step(ctx, state, i): the solver step, for problems that unroll (call
             ``ctx.unroll(self.step, x0)`` inside ``residuals``).
         weights(ctx) -> dict[str, float]: weight per loss term (default 1 for each).
-        evaluate(ctx) -> dict[str, float]: metrics on held-out data (relative errors...),
-            logged every ``eval_every`` iterations and at the end.
+        evaluate(ctx) -> dict[str, float | Curve]: metrics on held-out data (relative
+            errors...), logged every ``eval_every`` iterations and at the end: a number as
+            the column ``metric/<name>``, a :class:`Curve` (an error against rollout time,
+            say) as the log's curve group ``eval_<name>`` (the model as built at iteration
+            -1), which ``deepsolve report`` draws in evaluation.png.
         optimizer(ctx, params) -> torch.optim.Optimizer: default Adam with ``cfg.lr``.
         batch_size(ctx) -> int: the size of the batch dimension that distributed runs shard
             (0 = not shardable).

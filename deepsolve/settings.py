@@ -166,34 +166,77 @@ def parse_compile(value: Any) -> bool | int | str:
                      "(--set compile=auto)")
 
 
-def parse_curriculum(text: Any) -> tuple[tuple[int, int], ...]:
+def parse_curriculum(text: Any, iterations: int | None = None,
+                     steps: int | None = None) -> tuple[tuple[int, int], ...]:
     """The stages of ``--set curriculum=0:50,200:400,600:2000``: ``((start_iteration,
     steps), ...)``, starts strictly increasing from 0, steps >= 1; ``""``: none. One-line
-    ``ValueError`` otherwise."""
+    ``ConfigError`` otherwise.
+
+    A start or a length may be a percentage: of ``iterations`` (a start) or of ``steps``
+    (a length), so ``0:10%,30%:30%,60%:100%`` scales with ``--iterations`` and ``--steps``.
+    A start ``p%`` is iteration ``round(p * iterations / 100)``, a length
+    ``max(1, round(p * steps / 100))``; stages whose starts round to the same iteration keep
+    the last. A percentage without its total (``None``) is a ``ConfigError``.
+    """
     if text is None or (isinstance(text, str) and not text.strip()):
         return ()
     hint = ("give stages start:steps from iteration 0 on, e.g. --set "
-            "curriculum=0:50,200:400,600:2000")
+            "curriculum=0:50,200:400,600:2000 or 0:10%,30%:30%,60%:100%")
     if not isinstance(text, str):
         raise ConfigError(f"--set curriculum={text!r}: not a list of stages; {hint}")
-    stages: list[tuple[int, int]] = []
+
+    def number(token: str, low: float) -> tuple[float, bool]:
+        token = token.strip()
+        pct = token.endswith("%")
+        value = float(token[:-1]) if pct else int(token)
+        if pct and not (low <= value <= 100 and math.isfinite(value)):
+            raise ValueError
+        return value, pct
+
+    written: list[tuple[float, bool, float, bool]] = []
     for part in text.split(","):
         a, sep, b = part.partition(":")
         try:
             if not sep:
                 raise ValueError
-            start, steps = int(a), int(b)
+            start, start_pct = number(a, 0.0)
+            length, length_pct = number(b, 1e-300)
         except ValueError:
             raise ConfigError(f"--set curriculum={text}: stage {part.strip()!r} is not "
-                             f"start:steps; {hint}") from None
-        if steps < 1 or start < 0 or (stages and start <= stages[-1][0]):
+                              f"start:steps (integers, or percentages up to 100%); "
+                              f"{hint}") from None
+        prev = written[-1] if written else None
+        if (length < 1 and not length_pct) or start < 0 or (
+                prev is not None and prev[1] == start_pct and start <= prev[0]):
             raise ConfigError(f"--set curriculum={text}: stage {part.strip()!r} needs steps >= "
-                             "1 and a start after the previous stage's; " + hint)
-        stages.append((start, steps))
-    if stages[0][0] != 0:
+                              "1 and a start after the previous stage's; " + hint)
+        written.append((start, start_pct, length, length_pct))
+    if written[0][0] != 0:
         raise ConfigError(f"--set curriculum={text}: the first stage must start at iteration "
-                         f"0; {hint}")
+                          f"0; {hint}")
+    for pct, total, what in ((any(w[1] for w in written), iterations, "iterations"),
+                             (any(w[3] for w in written), steps, "steps")):
+        if pct and total is None:
+            raise ConfigError(f"--set curriculum={text}: a percentage of {what} needs a run "
+                              f"with a {what} setting; give that stage in {what}")
+    its, n = int(iterations or 0), int(steps or 0)
+    stages: list[tuple[int, int]] = []
+    for start, start_pct, length, length_pct in written:
+        first = round(start * its / 100) if start_pct else int(start)
+        size = max(1, round(length * n / 100)) if length_pct else int(length)
+        if stages and first < stages[-1][0]:
+            raise ConfigError(f"--set curriculum={text}: its starts are not increasing with "
+                              f"{its} iterations; {hint}")
+        if stages and first == stages[-1][0]:
+            stages.pop()
+        stages.append((first, size))
     return tuple(stages)
+
+
+def _check_curriculum(value: Any) -> None:
+    """A curriculum's form; its percentages are checked against a run of 100 iterations of
+    100 steps (the run's own totals resolve them: :func:`parse_curriculum`)."""
+    parse_curriculum(value, 100, 100)
 
 
 def _check_budget(value: Any) -> None:
@@ -266,7 +309,8 @@ TRAINER_SETTINGS: Mapping[str, Setting] = MappingProxyType({
                          "DEEPSOLVE_CACHE_DIR environment variable, when set, replaces the "
                          "default)"),
     "curriculum": Setting("", "unroll horizon by iteration, start:steps,... such as "
-                          "0:50,200:400 (\"\": steps throughout)", check=parse_curriculum),
+                          "0:50,200:400 or 0:10%,50%:100% (percentages of iterations and of steps; "
+                          "\"\": steps throughout)", check=_check_curriculum),
     "adjoint_every": Setting(0, "log the adjoint norms of one unroll every N iterations",
                              low=0, allowed=">= 0 (0: no adjoint norms logged)"),
     "mesh": Setting("", "distributed runs: DATAxSPACE ranks (\"\": all space with ctx.slab)"),

@@ -16,7 +16,8 @@ from deepsolve.train import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NS = os.path.join(ROOT, "problems", "navier_stokes.py")
-NS_TINY = ["fine_n=32", "coarse_n=16", "dt=0.02", "steps=8", "obs_every=4", "spinup=0.02",
+NS_TINY = ["fine_n=32", "coarse_n=16", "curriculum=", "dt=0.02", "steps=8", "obs_every=4",
+           "spinup=0.02",
            "n_train=1", "n_test=1", "batch=1", "width=4", "depth=2"]
 
 
@@ -28,7 +29,24 @@ def test_stages_parse_and_give_the_horizon_of_each_iteration():
     assert parse_curriculum("") == ()
 
 
+def test_percent_stages_scale_with_iterations_and_steps():
+    text = "0:10%,30%:30%,60%:100%"
+    assert parse_curriculum(text, 100, 1000) == ((0, 100), (30, 300), (60, 1000))
+    assert parse_curriculum(text, 10, 200) == ((0, 20), (3, 60), (6, 200))
+    # 1 iteration: 30% rounds to iteration 0 and replaces the first stage; 60% to 1
+    assert parse_curriculum(text, 1, 5) == ((0, 2), (1, 5))
+    assert parse_curriculum("0:1%", 7, 10) == ((0, 1),)      # a length is at least one step
+    assert parse_curriculum("0:50,50%:400", 300, 400) == ((0, 50), (150, 400))
+    with pytest.raises(ConfigError, match="percentage of steps needs"):
+        parse_curriculum("0:10%", 100, None)
+    with pytest.raises(ConfigError, match="not increasing with 10 iterations"):
+        parse_curriculum("0:5,8:10,50%:20", 10, 100)
+
+
 @pytest.mark.parametrize("text, message", [
+    ("0:5,0:101%", "percentages up to 100%"),
+    ("0:5,10%:0%", "percentages up to 100%"),
+    ("0:5,20%:6,10%:7", "a start after the previous"),
     ("10:50", "must start at iteration 0"),
     ("0:50,0:60", "a start after the previous"),
     ("0:50,100:0", "steps >= 1"),
@@ -54,9 +72,17 @@ def test_a_stage_longer_than_steps_is_refused_before_any_work(tmp_path):
     assert not out.exists() and not (tmp_path / "data").exists()
 
 
+def test_a_percent_curriculum_follows_iterations_and_steps(tmp_path):
+    out = tmp_path / "run"
+    res = train(NS, sets=_sets(tmp_path, "curriculum=0:50%,50%:100%", "iterations=4",
+                               "eval_every=0"), out=str(out), quiet=True)
+    assert res.iterations == 4
+    assert list(read_log(out / "log.h5").columns["n_steps"]) == [4, 4, 8, 8]
+
+
 def test_a_curriculum_run_logs_its_stages_and_one_plan_each(tmp_path):
     out = tmp_path / "run"
-    res = train(NS, sets=_sets(tmp_path, "curriculum=0:4,2:8", "iterations=4", "budget=256KiB",
+    res = train(NS, sets=_sets(tmp_path, "curriculum=0:4,2:8", "iterations=4", "budget=512KiB",
                                "eval_every=0"), out=str(out), quiet=True)
     assert res.iterations == 4
     log = read_log(out / "log.h5")

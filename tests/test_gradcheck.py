@@ -219,7 +219,8 @@ def test_check_with_a_budget_and_a_horizon(capsys):
 
 
 SHIPPED = {
-    "navier_stokes.py": ["fine_n=32", "coarse_n=16", "dt=0.02", "steps=20", "obs_every=10",
+    "navier_stokes.py": ["fine_n=32", "coarse_n=16", "curriculum=", "dt=0.02", "steps=20",
+                         "obs_every=10",
                          "spinup=0.2", "n_train=2", "n_test=2", "batch=2", "width=4",
                          "depth=2", "budget=", "snapshots=4"],
     "burgers_assimilation.py": ["steps=60", "n=32"],

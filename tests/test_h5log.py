@@ -739,6 +739,31 @@ def test_doc_recipes_read_a_closed_log(tmp_path, name):
     assert _check_snippet(name, _run_snippet(name, p), {"pde": 2.0}) == 5
 
 
+def test_a_curve_of_iteration_minus_one_and_unwritten_entries(tmp_path):
+    """Iteration -1 (the model as built) is a curve of its own; an entry whose iteration is
+    not yet written (the writer appends the iteration last) is not read, whether the file
+    marks it with CURVE_UNWRITTEN or, as logs did before, with -1."""
+    from deepsolve.io import read_curves
+    from deepsolve.io.log import CURVE_UNWRITTEN
+
+    path = tmp_path / "log.h5"
+    with H5Log(path, curves=("eval_e",)) as log:
+        log.append_curve("eval_e", -1, [0, 10], [0.0, 1.0])
+        log.append_curve("eval_e", 0, [0, 10], [0.0, 0.5])
+        log.append({"iteration": 0, "loss": 1.0})
+    assert list(read_curves(path, "eval_e")["iteration"]) == [-1, 0]
+    for fill in (CURVE_UNWRITTEN, -1):
+        p = tmp_path / f"fill{fill}.h5"
+        with h5py.File(p, "w") as f:
+            g = f.create_group("eval_e")
+            g.attrs["kind"] = "curve"
+            g.create_dataset("iteration", data=np.array([3, 4, fill, fill]), maxshape=(None,),
+                             fillvalue=fill)
+            g.create_dataset("step", data=np.zeros((4, 2), np.int64))
+            g.create_dataset("value", data=np.ones((4, 2)))
+        assert list(read_curves(p, "eval_e")["iteration"]) == [3, 4]
+
+
 def test_curves_are_written_with_the_rows_truncated_and_kept_on_resume(tmp_path):
     """2-D curve groups (adjoint norms): written before the rows' iteration, read back by
     read_curves, dropped with the rows by truncate_after and kept by a resume."""

@@ -558,6 +558,45 @@ def test_gradients_plot_of_a_run_with_adjoint_norms(tmp_path):
     assert "before clipping" in grad.get_title()
 
 
+def test_evaluation_curves_are_logged_and_drawn(tmp_path):
+    """An evaluate() that returns a deepsolve.Curve: the log's group eval_<name> holds it for
+    the model as built (iteration -1) and every evaluated iteration, with the values the
+    problem computed; evaluation.png draws the last one beside the one as built."""
+    from pathlib import Path
+
+    from deepsolve.io import curve_names, read_curves
+    from deepsolve.train import train
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    train(str(root / "tests" / "data" / "tiny_problem.py"), out=str(out), quiet=True,
+          sets=["iterations=8", "eval_every=4", "curve=true"])
+    assert "eval_x_error" in curve_names(out / "log.h5")
+    c = read_curves(out / "log.h5", "eval_x_error")
+    assert list(c["iteration"]) == [-1, 3, 7]
+    steps = np.arange(0, 51, 10)
+    assert np.array_equal(c["step"][0][:6], steps) and (c["step"][0][6:] == -1).all()
+    x0 = np.linspace(0.5, 1.5, 4)          # the model as built: rate 0.1 against 0.8
+    want = [np.abs((1 - 0.02 * 0.1) ** i * x0 - (1 - 0.02 * 0.8) ** i * x0).mean()
+            for i in steps]
+    assert np.allclose(c["value"][0][:6], want, rtol=1e-5)
+    assert c["value"][2][5] < 0.5 * c["value"][0][5]       # training brought it down
+    (ax,) = _figs(out)["evaluation.png"].axes
+    lines = _lines(ax)
+    assert set(lines) == {"x_error", "x_error (as built)"}
+    assert np.array_equal(lines["x_error"].get_xdata(), steps)
+    assert np.allclose(lines["x_error"].get_ydata(), c["value"][2][:6])
+    assert lines["x_error (as built)"].get_linestyle() == "--"
+    assert "after iteration 8" in ax.get_title()
+
+
+def test_no_evaluation_plot_without_curves(tmp_path):
+    p = tmp_path / "log.h5"
+    with H5Log(p, attrs={"initial_metrics": {"e": 1.0}}) as log:
+        log.append({"iteration": 0, "loss": 1.0, "metric/e": 0.5})
+    assert "evaluation.png" not in _figs(p)
+
+
 def test_no_gradients_plot_without_gradient_data(tmp_path):
     from deepsolve.io import H5Log
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import deepsolve
 from deepsolve.cli import main
 from deepsolve.io import read_log
 from deepsolve.problem import ProblemError, load_problem
@@ -249,7 +250,8 @@ def test_plan_command_for_a_problem(capsys, tmp_path):
     assert "the problem has no default budget; give --budget" in err and err.count("\n") == 1
     # without --budget, the problem's own budget (plan PROBLEM.py said "needs --budget")
     own = tmp_path / "own_budget.py"
-    own.write_text(open(TINY).read().replace('"extra": 0}', '"extra": 0, "budget": "20000"}'))
+    own.write_text(open(TINY).read().replace('"curve": False}',
+                                             '"curve": False, "budget": "20000"}'))
     head = out.split(";")[0]                            # "budget 19.53 KiB for 50 steps"
     assert head.startswith("budget 19.53 KiB")
     assert run_cli("plan", own, "--set", "batch=64") == 0
@@ -335,6 +337,23 @@ def test_progress_lines_off_a_terminal(tmp_path, capsys):
     assert " s/it " not in capsys.readouterr().err
 
 
+def test_progress_pace_is_that_since_the_previous_line(monkeypatch, capsys):
+    """A curriculum's iterations get slower: the s/it and ETA of a line follow the pace
+    since the previous line, not the mean since the start."""
+    from deepsolve.training import progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    lines = progress.Lines(total=10, start=0, every=0.0)
+    for it, dt in enumerate([1.0] * 4 + [5.0] * 6):
+        clock[0] += dt
+        lines.update(it, 1.0, {})
+    out = [ln.split() for ln in capsys.readouterr().err.splitlines()]
+    assert [ln[3] for ln in out] == [f"{k}/10" for k in range(1, 11)]
+    assert [float(ln[6]) for ln in out] == [1.0] * 4 + [5.0] * 6
+    assert out[5][-1] == "20s" and out[3][-1] == "6s"   # 4 left at 5 s; 6 left at 1 s
+
+
 def test_baseline_metrics_before_training_are_logged(tmp_path):
     out = tmp_path / "run"
     assert run_cli("train", TINY, "--out", out, "--iterations", 4, "--quiet") == 0
@@ -408,7 +427,8 @@ def test_bad_budget_fails_before_any_work_and_leaves_no_directory(tmp_path, caps
 NS = os.path.join(ROOT, "problems", "navier_stokes.py")
 #: The smallest Navier-Stokes run worth a test: one trajectory of 4 coarse steps (16^2) against
 #: a 32^2 reference, a 4-channel CNN; a few seconds with the reference generated.
-NS_TINY = ["fine_n=32", "coarse_n=16", "dt=0.02", "steps=4", "obs_every=4", "spinup=0.02",
+NS_TINY = ["fine_n=32", "coarse_n=16", "curriculum=", "dt=0.02", "steps=4", "obs_every=4",
+           "spinup=0.02",
            "n_train=1", "n_test=1", "batch=1", "width=4", "depth=2", "iterations=1"]
 
 
@@ -446,12 +466,12 @@ def test_a_bad_budget_fails_in_seconds_and_the_same_command_fixed_runs(tmp_path)
     res, took = _deepsolve(tmp_path, "train", NS, "--budget", "12 parsecs", "--out", out, *sets)
     _fails_at_once(res, took, "--budget", "12 parsecs", "'parsecs'", "MiB")
     assert not out.exists() and not (tmp_path / "data").exists()   # nothing made
-    res, _ = _deepsolve(tmp_path, "train", NS, "--budget", "256KiB", "--out", out, "--quiet",
+    res, _ = _deepsolve(tmp_path, "train", NS, "--budget", "512KiB", "--out", out, "--quiet",
                         *sets)
     assert res.returncode == 0, res.stderr
     log = read_log(out / "log.h5")
-    assert log.n_rows == 1 and log.attrs["budget_bytes"] == 256 * 1024
-    assert log.attrs["config"]["budget"] == "256KiB"   # the settings, as given, recorded
+    assert log.n_rows == 1 and log.attrs["budget_bytes"] == 512 * 1024
+    assert log.attrs["config"]["budget"] == "512KiB"   # the settings, as given, recorded
 
 
 BAD_SETTINGS = [
@@ -595,3 +615,32 @@ def test_a_finished_run_is_freed(tmp_path):
         assert run_cli("train", TINY, "--out", tmp_path / f"run{k}", "--iterations", 3,
                        "--quiet", "--budget", "1MiB") == 0
     assert alive() <= before
+
+
+def test_an_evaluation_splits_into_numbers_and_curves():
+    """evaluate()'s values: numbers become metric columns, deepsolve.Curve values curves
+    (integer steps, as many values, thinned evenly to CURVE_WIDTH with both ends kept);
+    anything else is a one-line ProblemError naming the metric."""
+    from deepsolve.io import CURVE_WIDTH
+    from deepsolve.training.rows import log_evaluation_curves, split_evaluation
+
+    numbers, curves = split_evaluation({"e": torch.tensor(0.25), "n": 3,
+                                        "c": deepsolve.Curve(range(2000), np.arange(2000.0))})
+    assert numbers == {"e": 0.25, "n": 3.0} and list(curves) == ["c"]
+
+    class Log:
+        got = {}
+
+        def append_curve(self, name, it, steps, values):
+            self.got[name] = (it, steps, values)
+
+    log = Log()
+    log_evaluation_curves(log, 7, curves)
+    it, steps, values = log.got["eval_c"]
+    assert it == 7 and len(steps) == CURVE_WIDTH and steps[0] == 0 and steps[-1] == 1999
+    assert np.array_equal(values, steps.astype(float))
+    for bad, match in (({"c": deepsolve.Curve([0, 1], [1.0])}, "'c' needs integer steps"),
+                       ({"c": deepsolve.Curve([0.5], [1.0])}, "'c' needs integer steps"),
+                       ({"m": "high"}, "metric 'm' must be a number or a deepsolve.Curve")):
+        with pytest.raises(ProblemError, match=match):
+            split_evaluation(bad)

@@ -13,6 +13,7 @@ from .h5log import (
     LogData,
     LogError,
     column_to_dataset,
+    curve_names,
     log_iterations,
     read_curves,
     read_log,
@@ -22,7 +23,7 @@ from .report import ReportError, plot_log, report, summarize
 
 __all__ = [
     "H5Log", "LogData", "LogError", "EmptyLogError", "read_log", "read_curves", "log_iterations",
-    "to_pandas", "CURVE_WIDTH",
+    "curve_names", "to_pandas", "CURVE_WIDTH",
     "column_to_dataset", "SCHEMA_VERSION", "INT_MISSING", "UNITS", "report", "summarize",
     "plot_log", "ReportError", "cache_path", "load_or_compute",
 ]

@@ -15,6 +15,7 @@ from .log import (
     LogData,
     LogError,
     column_to_dataset,
+    curve_names,
     log_iterations,
     read_curves,
     read_log,
@@ -24,5 +25,5 @@ from .log import (
 __all__ = [
     "Log", "H5Log", "LogData", "LogError", "EmptyLogError", "read_log", "to_pandas",
     "SCHEMA_VERSION", "INT_MISSING", "column_to_dataset", "UNITS", "log_iterations",
-    "read_curves", "CURVE_WIDTH",
+    "read_curves", "curve_names", "CURVE_WIDTH",
 ]

@@ -17,7 +17,9 @@ panel per group of metrics (names sharing their first ``_``-separated token) or 
 each on its own axis, with the value before training (``initial_metrics``) as a marker at
 iteration -1; ``gradients.png`` the gradient norm before clipping (``grad_norm``) against
 iteration and, for a run with ``adjoint_every``, the adjoint norms ``||dL/dx_i||`` against
-step ``i``, one curve per logged iteration (at most :data:`MAX_CURVES`), both on log scales.
+step ``i``, one curve per logged iteration (at most :data:`MAX_CURVES`), both on log scales;
+``evaluation.png`` the curves the problem's evaluation returns (:class:`deepsolve.Curve`,
+an error against rollout step say) at the last evaluation, beside the model as built.
 They are written into the run directory (or ``--out``) as a temporary file renamed over the
 name, so a symbolic link planted at ``RUN_DIR/loss.png`` is replaced, never written through.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -658,10 +661,60 @@ def _gradients_figure(log: LogData, x: np.ndarray) -> _Built:
     return fig, None
 
 
+def _curve_points(c: Mapping[str, np.ndarray], r: int) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``r`` of a curve group without its padding."""
+    s, v = c["step"][r], c["value"][r]
+    ok = (s >= 0) & np.isfinite(v)
+    return s[ok], v[ok]
+
+
+def _evaluation_figure(log: LogData, x: np.ndarray) -> _Built:
+    """The curves the problem's evaluation returned (:class:`deepsolve.Curve`, the log's
+    groups ``eval_<name>``; an error against rollout step, say): each at the last evaluated
+    iteration (solid) and, where it differs, as the model was built (iteration -1, dashed),
+    in one panel."""
+    from .h5log import LogError, curve_names, read_curves
+
+    if not log.path:
+        return None, None
+    try:
+        names = [n for n in curve_names(log.path) if n.startswith("eval_")]
+        curves = {n[len("eval_"):]: read_curves(log.path, n) for n in names}
+    except (LogError, OSError):
+        return None, None
+    curves = {k: c for k, c in curves.items() if len(c["iteration"])}
+    if not curves:
+        return None, None
+    from matplotlib import colormaps
+
+    fig = _new_figure(7.0, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    cmap = colormaps["tab10"]
+    last_it = None
+    for j, (name, c) in enumerate(sorted(curves.items())[:MAX_CURVES]):
+        its = c["iteration"]
+        color = cmap(j % 10)
+
+        last = int(np.argmax(its))
+        s1, v1 = _curve_points(c, last)
+        last_it = int(its[last])
+        ax.plot(s1, v1, color=color, label=name if last_it >= 0 else f"{name} (as built)")
+        first = np.flatnonzero(its == -1)
+        if len(first) and last_it >= 0:
+            s0, v0 = _curve_points(c, int(first[0]))
+            if s0.shape != s1.shape or not np.allclose(v0, v1, equal_nan=True):
+                ax.plot(s0, v0, color=color, linestyle="--", label=f"{name} (as built)")
+    title = "evaluation"
+    if last_it is not None and last_it >= 0:
+        title += f" after iteration {last_it + 1}"
+    _finish(ax, "step", "value", title)
+    return fig, None
+
+
 def figures(log: LogData) -> dict[str, Any]:
     """The report's plots as matplotlib ``Figure`` objects, by file name (``loss.png``,
-    ``memory.png``, ``time.png``, ``metrics.png``, ``gradients.png``), each when the log has
-    data for it; what
+    ``memory.png``, ``time.png``, ``metrics.png``, ``gradients.png``, ``evaluation.png``),
+    each when the log has data for it; what
     :func:`plot_log` saves. Made without pyplot (no global state, no display needed)."""
     return _figures(log)[0]
 
@@ -672,7 +725,8 @@ def _figures(log: LogData) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
     left_out: dict[str, tuple[int, int]] = {}
     for name, build in (("loss.png", _loss_figure), ("memory.png", _memory_figure),
                         ("time.png", _time_figure), ("metrics.png", _metrics_figure),
-                        ("gradients.png", _gradients_figure)):
+                        ("gradients.png", _gradients_figure),
+                        ("evaluation.png", _evaluation_figure)):
         fig, cut = build(log, x)
         if fig is not None:
             figs[name] = fig

@@ -49,19 +49,21 @@ class Lines:
     """Progress off a terminal (a redirected or batch run): one line on stderr after the
     first iteration, then after any iteration that ends ``every`` seconds or more after the
     last line, and after the last iteration: iterations done, loss, seconds per iteration
-    (mean since the start), the iteration's real peak and the time left at that pace."""
+    (the mean since the previous line, so a curriculum's longer stage shows at once), the
+    iteration's real peak and the time left at that pace."""
 
     def __init__(self, total: int, start: int, every: float):
         self.total, self.start, self.every = total, start, every
-        self.t0 = time.perf_counter()
         self.last: float | None = None
+        self.since, self.since_done = time.perf_counter(), start
 
     def update(self, it: int, loss: float, row: Mapping[str, Any]) -> None:
         now, done = time.perf_counter(), it + 1
         if self.last is not None and done < self.total and now - self.last < self.every:
             return
         self.last = now
-        per = (now - self.t0) / max(done - self.start, 1)
+        per = (now - self.since) / max(done - self.since_done, 1)
+        self.since, self.since_done = now, done
         print(f"deepsolve train: iteration {done}/{self.total}  loss {loss:.4e}  "
               f"{per:.2f} s/it  peak {_fmt_mem(row.get('peak_real_memory'))}  "
               f"ETA {_fmt_time(per * (self.total - done))}", file=sys.stderr, flush=True)

@@ -6,7 +6,8 @@ The row's columns (docs/problems.md, "The log"): ``iteration``, ``loss``, ``loss
 (``max_memory_allocated`` above the iteration's start on CUDA, the RSS high-water mark above
 the run's baseline on the CPU), ``peak_tracked_memory``, ``peak_host_memory``, ``advances``,
 ``recorded``, ``snapshots``, ``schedule``, ``compile_time``, ``lr``, ``grad_norm``, then
-``budget_bytes``, ``n_steps`` (curricula), ``*_max`` (distributed runs) and ``metric/<name>``.
+``budget_bytes``, ``n_steps`` (curricula), ``*_max`` (distributed runs) and ``metric/<name>``;
+the curves an evaluation returns (:class:`deepsolve.Curve`) go to the groups ``eval_<name>``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..problem import Context, ProblemError
+from ..problem import Context, Curve, ProblemError
 
-__all__ = ["check_terms", "budget_bytes", "log_adjoint_norms", "add_rank_peaks", "StatsSum"]
+__all__ = ["check_terms", "budget_bytes", "log_adjoint_norms", "add_rank_peaks", "StatsSum",
+           "split_evaluation", "log_evaluation_curves"]
 
 
 def check_terms(terms: Any, it: int) -> dict[str, torch.Tensor]:
@@ -34,17 +36,51 @@ def check_terms(terms: Any, it: int) -> dict[str, torch.Tensor]:
     return dict(terms)
 
 
+def split_evaluation(values: Any) -> tuple[dict[str, float], dict[str, Curve]]:
+    """What :meth:`Problem.evaluate` returned, as ``(numbers, curves)``; a value that is
+    neither a number nor a :class:`~deepsolve.Curve` of as many steps as values is a
+    one-line :class:`ProblemError`."""
+    numbers: dict[str, float] = {}
+    curves: dict[str, Curve] = {}
+    for k, v in (values or {}).items():
+        if isinstance(v, Curve):
+            s, y = np.asarray(v.steps).reshape(-1), np.asarray(v.values).reshape(-1)
+            if s.shape != y.shape or not np.issubdtype(s.dtype, np.integer):
+                raise ProblemError(f"evaluate(): curve {k!r} needs integer steps and as many "
+                                   f"values; got {s.dtype} steps ({s.size}) and {y.size} values")
+            curves[k] = Curve(s.astype(np.int64), y.astype(np.float64))
+            continue
+        try:
+            numbers[k] = float(v)
+        except (TypeError, ValueError):
+            raise ProblemError(f"evaluate(): metric {k!r} must be a number or a "
+                               f"deepsolve.Curve, got {type(v).__name__}") from None
+    return numbers, curves
+
+
+def _thin(n: int) -> np.ndarray:
+    """At most ``CURVE_WIDTH`` indices evenly spread over ``0..n-1`` (both ends kept)."""
+    from ..io.h5log import CURVE_WIDTH
+
+    return np.unique(np.round(np.linspace(0, n - 1, min(n, CURVE_WIDTH))).astype(np.int64))
+
+
+def log_evaluation_curves(log, it: int, curves: Mapping[str, Curve]) -> None:
+    """Each curve of an evaluation as the log's group ``eval_<name>`` for iteration ``it``
+    (-1: the model as built), thinned to ``CURVE_WIDTH`` points."""
+    for name, c in curves.items():
+        keep = _thin(len(c.steps))
+        log.append_curve(f"eval_{name}", it, c.steps[keep], c.values[keep])
+
+
 def log_adjoint_norms(log, it: int, stats) -> None:
     """The adjoint norms of the iteration's first unroll, at most ``CURVE_WIDTH`` points
     evenly spread over its steps ``0..n`` (the first and the last included)."""
-    from ..io.h5log import CURVE_WIDTH
-
     norms = next((s.adjoint_norms for s in stats if isinstance(s.adjoint_norms, torch.Tensor)),
                  None)
     if norms is None:
         return
-    n = len(norms) - 1
-    steps = np.unique(np.round(np.linspace(0, n, min(n + 1, CURVE_WIDTH))).astype(np.int64))
+    steps = _thin(len(norms))
     log.append_curve("adjoint_norms", it, steps, norms.numpy()[steps])
 
 

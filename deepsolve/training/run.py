@@ -43,6 +43,8 @@ from .rows import (
     budget_bytes,
     check_terms,
     log_adjoint_norms,
+    log_evaluation_curves,
+    split_evaluation,
 )
 from .rundir import (
     RunFiles,
@@ -235,7 +237,7 @@ class Run:
             if not params:
                 raise ProblemError(f"{self.problem_path}: ctx.model has no trainable "
                                    "parameters")
-            stages = parse_curriculum(cfg["curriculum"])
+            stages = parse_curriculum(cfg["curriculum"], cfg["iterations"], cfg.get("steps"))
             if stages:  # the longest stage must fit before the first iteration
                 check_curriculum(self.problem_path, problem, ctx, stages)
             optimizer = problem.optimizer(ctx, params)
@@ -245,14 +247,14 @@ class Run:
                         scheduler, self.problem_path, sha)
                 self.begin.restart = None
             with torch.no_grad():  # a new log's baseline
-                baseline = {k: float(v) for k, v in (problem.evaluate(ctx) or {}).items()}
+                baseline, baseline_curves = split_evaluation(problem.evaluate(ctx))
         except BaseException:
             if self.begin.created and self.main:
                 remove_empty_dir(self.files.run_dir)
             raise
         self.problem, self.ctx, self.sha, self.model = problem, ctx, sha, model
         self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
-        self.stages, self.baseline = stages, baseline
+        self.stages, self.baseline, self.baseline_curves = stages, baseline, baseline_curves
         self.weights = problem.weights(ctx)
         # optimizers that evaluate the loss themselves: L-BFGS and those saying so
         self.closure_opt = (isinstance(optimizer, torch.optim.LBFGS)
@@ -273,11 +275,15 @@ class Run:
             attrs["initial_metrics"] = self.baseline
         if not self.main:
             return
+        curves = (("adjoint_norms",) if int(cfg["adjoint_every"]) else ()) + tuple(
+            f"eval_{k}" for k in self.baseline_curves)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             self.log = H5Log(self.files.log, attrs=attrs, resume=self.begin.resume_log,
                              keep_through=start - 1, locking=self.files.locking,
-                             curves=("adjoint_norms",) if int(cfg["adjoint_every"]) else ())
+                             curves=curves)
+        if not self.begin.resume_log:
+            log_evaluation_curves(self.log, -1, self.baseline_curves)
         for w in caught:
             note(" ".join(str(w.message).split()))
         if cfg["tensorboard"]:
@@ -400,8 +406,10 @@ class Run:
         eval_every = int(cfg["eval_every"])
         if (eval_every and (it + 1) % eval_every == 0) or it == int(cfg["iterations"]) - 1:
             with torch.no_grad():
-                for k, v in (self.problem.evaluate(ctx) or {}).items():
-                    row[f"metric/{k}"] = self.metrics[k] = float(v)
+                numbers, curves = split_evaluation(self.problem.evaluate(ctx))
+            for k, v in numbers.items():
+                row[f"metric/{k}"] = self.metrics[k] = v
+            log_evaluation_curves(log, it, curves)
         return row, loss
 
     def _step(self, it: int, track: bool) -> tuple[dict[str, Any], float]:

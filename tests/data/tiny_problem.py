@@ -18,7 +18,7 @@ class Model(torch.nn.Module):
 class Decay(deepsolve.Problem):
     defaults = {"iterations": 12, "lr": 0.05, "steps": 50, "dt": 0.02, "true_rate": 0.8,
                 "sleep": 0.0, "checkpoint_every": 3, "eval_every": 4, "batch": 4,
-                "spike_at": -1, "extra": 0}
+                "spike_at": -1, "extra": 0, "curve": False}
 
     def build(self, ctx):
         ctx.model = Model(int(ctx.cfg.extra)).to(ctx.device, ctx.dtype)
@@ -40,7 +40,15 @@ class Decay(deepsolve.Problem):
                 "prior": 1e-4 * ctx.model.rate ** 2}
 
     def evaluate(self, ctx):
-        return {"rate_error": abs(ctx.model.rate.item() - ctx.cfg.true_rate)}
+        out = {"rate_error": abs(ctx.model.rate.item() - ctx.cfg.true_rate)}
+        if ctx.cfg.curve:  # the mean state error of the learned rollout, every 10 steps
+            steps = list(range(0, int(ctx.cfg.steps) + 1, 10))
+            x0, dt = ctx.data["x0"], ctx.cfg.dt
+            err = [float(((1 - dt * ctx.model.rate) ** i * x0
+                          - (1 - dt * ctx.cfg.true_rate) ** i * x0).abs().mean())
+                   for i in steps]
+            out["x_error"] = deepsolve.Curve(steps, err)
+        return out
 
 
 problem = Decay()

@@ -48,14 +48,21 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from .files import EmptyLogError, LogError
-from .read import LogData, log_iterations, read_curves, read_log, to_pandas
-from .schema import CURVE_WIDTH, INT_MISSING, SCHEMA_VERSION, UNITS, column_to_dataset
+from .read import LogData, curve_names, log_iterations, read_curves, read_log, to_pandas
+from .schema import (
+    CURVE_UNWRITTEN,
+    CURVE_WIDTH,
+    INT_MISSING,
+    SCHEMA_VERSION,
+    UNITS,
+    column_to_dataset,
+)
 from .write import H5Log
 
 __all__ = [
     "Log", "H5Log", "LogData", "LogError", "EmptyLogError", "read_log", "to_pandas",
     "SCHEMA_VERSION", "INT_MISSING", "column_to_dataset", "UNITS", "log_iterations",
-    "read_curves", "CURVE_WIDTH",
+    "read_curves", "curve_names", "CURVE_WIDTH", "CURVE_UNWRITTEN",
 ]
 
 

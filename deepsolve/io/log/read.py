@@ -20,7 +20,7 @@ import numpy as np
 from .files import EmptyLogError, LogError, _one_line, _open_for_reading, _resolve
 from .schema import _MAX_COLUMNS, _READ_SLACK, _SIZE_SLACK, SCHEMA_VERSION, _decode_attrs
 
-__all__ = ["LogData", "read_curves", "read_log", "log_iterations", "to_pandas"]
+__all__ = ["LogData", "curve_names", "read_curves", "read_log", "log_iterations", "to_pandas"]
 
 
 # -------------------------------------------------------------------------------- reading
@@ -227,6 +227,15 @@ def _read(p: Path, locking: bool | None, only_iteration: bool = False):
         delay = min(2 * delay, 0.25)
 
 
+def curve_names(path: str | os.PathLike, *, locking: bool | None = None) -> list[str]:
+    """The names of a log's curve groups (:meth:`H5Log.append_curve`), in the file's order."""
+    p = _resolve(path)
+    f, _ = _open_for_reading(p, locking)
+    with f:
+        return [k for k, g in f.items()
+                if isinstance(g, h5py.Group) and g.attrs.get("kind") == "curve"]
+
+
 def read_curves(path: str | os.PathLike, name: str, *,
                 locking: bool | None = None) -> dict[str, np.ndarray]:
     """The curves of group ``name`` of a log (:meth:`H5Log.append_curve`): ``iteration``
@@ -240,7 +249,10 @@ def read_curves(path: str | os.PathLike, name: str, *,
             raise LogError(f"{p}: no curve group {name!r} (was the run logging it?)")
         d_it = g["iteration"]
         it = _read_dataset(d_it)
-        k = int(np.argmax(it < 0)) if (it < 0).any() else len(it)
+        # the entries not yet written hold the fill value (-1 in logs written before
+        # iteration -1 could carry a curve, CURVE_UNWRITTEN since)
+        unwritten = it == d_it.fillvalue
+        k = int(np.argmax(unwritten)) if unwritten.any() else len(it)
         return {"iteration": it[:k], "step": g["step"][:k], "value": g["value"][:k]}
 
 

@@ -23,11 +23,17 @@ import numpy as np
 
 from .files import LogError
 
-__all__ = ["CURVE_WIDTH", "SCHEMA_VERSION", "INT_MISSING", "UNITS", "column_to_dataset"]
+__all__ = ["CURVE_WIDTH", "CURVE_UNWRITTEN", "SCHEMA_VERSION", "INT_MISSING", "UNITS",
+           "column_to_dataset"]
 
 
 CURVE_WIDTH = 512
 """Points of one logged curve at most (see :meth:`H5Log.append_curve`)."""
+
+CURVE_UNWRITTEN = np.iinfo(np.int64).min
+"""The ``iteration`` of a curve entry not yet written (a live log is read while its writer
+appends). Logs written before iteration -1 could carry a curve used -1; readers take the
+dataset's own fill value."""
 
 
 SCHEMA_VERSION = 1

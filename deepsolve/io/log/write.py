@@ -31,6 +31,7 @@ from .schema import (
     _CHUNK,
     _DTYPE,
     _FILL,
+    CURVE_UNWRITTEN,
     CURVE_WIDTH,
     SCHEMA_VERSION,
     UNITS,
@@ -178,14 +179,16 @@ class H5Log:
 
     @staticmethod
     def _create_curve(f: h5py.File, name: str, old: Mapping[str, np.ndarray] | None):
-        """The group ``name`` of a curve: ``iteration`` (k,), ``step`` (k, CURVE_WIDTH) int64
-        (-1 padding) and ``value`` (k, CURVE_WIDTH) float64 (NaN padding)."""
+        """The group ``name`` of a curve: ``iteration`` (k,) (filled with
+        :data:`CURVE_UNWRITTEN` until written, so iteration -1, the model as built, is a
+        curve's own), ``step`` (k, CURVE_WIDTH) int64 (-1 padding) and ``value`` (k,
+        CURVE_WIDTH) float64 (NaN padding)."""
         g = f.create_group(name)
         g.attrs["kind"] = "curve"
         k = 0 if old is None else len(old["iteration"])
         w = CURVE_WIDTH
         it = g.create_dataset("iteration", shape=(k,), maxshape=(None,), dtype=np.int64,
-                              chunks=(_CHUNK,), fillvalue=-1)
+                              chunks=(_CHUNK,), fillvalue=CURVE_UNWRITTEN)
         st = g.create_dataset("step", shape=(k, w), maxshape=(None, w), dtype=np.int64,
                               chunks=(8, w), fillvalue=-1)
         va = g.create_dataset("value", shape=(k, w), maxshape=(None, w), dtype=np.float64,
