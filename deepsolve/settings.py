@@ -34,7 +34,8 @@ import torch
 from .memory.budget import budget_form, no_budget
 
 __all__ = ["ConfigError", "Setting", "TRAINER_SETTINGS", "TRAINER_DEFAULTS", "settings_table",
-           "describe", "parse_compile", "parse_curriculum", "apply_overrides"]
+           "describe", "parse_compile", "parse_curriculum", "parse_target", "Target",
+           "apply_overrides"]
 
 class ConfigError(ValueError):
     """A setting that cannot be used; the message is one line naming it, its value and what
@@ -233,6 +234,45 @@ def parse_curriculum(text: Any, iterations: int | None = None,
     return tuple(stages)
 
 
+@dataclass(frozen=True)
+class Target:
+    """A level at which a run has trained enough: ``name`` (the loss, ``loss/<term>`` or a
+    metric of ``Problem.evaluate``; ``None``: the problem's ``target_metric``, else the
+    loss) at or below ``level``."""
+
+    name: str | None
+    level: float
+
+    def __str__(self) -> str:
+        return f"{self.name or 'target'} <= {self.level:g}"
+
+
+def parse_target(value: Any) -> Target | None:
+    """``--set target=``: ``""`` (none), ``LEVEL`` (the problem's ``target_metric``, else the
+    loss) or ``NAME:LEVEL`` (``loss``, ``loss/pde``, ``u_rel_l2``...), the level a finite
+    number > 0. One-line ``ConfigError`` otherwise."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    hint = "give --set target=1e-8 (the problem's target metric) or target=NAME:LEVEL " \
+        "such as target=loss:1e-6"
+    if isinstance(value, bool):
+        raise ConfigError(f"--set target={value}: not a level; {hint}")
+    name, sep, level = str(value).strip().rpartition(":") if isinstance(value, str) \
+        else ("", "", str(value))
+    name = name.strip()
+    try:
+        number = float(level)
+    except ValueError:
+        raise ConfigError(f"--set target={value}: {level.strip()!r} is not a number; "
+                          f"{hint}") from None
+    if sep and not name:
+        raise ConfigError(f"--set target={value}: the name before ':' is empty; {hint}")
+    if not (math.isfinite(number) and number > 0):
+        raise ConfigError(f"--set target={value}: the level must be a finite number > 0; "
+                          f"{hint}")
+    return Target(name or None, number)
+
+
 def _check_curriculum(value: Any) -> None:
     """A curriculum's form; its percentages are checked against a run of 100 iterations of
     100 steps (the run's own totals resolve them: :func:`parse_curriculum`)."""
@@ -293,6 +333,12 @@ TRAINER_SETTINGS: Mapping[str, Setting] = MappingProxyType({
                                                    "float16"))),
     "eval_every": Setting(10, "iterations between Problem.evaluate calls", low=0,
                           allowed=">= 0 (0: evaluate only at the end)"),
+    "time_limit": Setting(0.0, "minutes of training after which the run stops (resumes "
+                          "included; it ends with an evaluation and a restart file)", low=0.0,
+                          allowed=">= 0 (minutes; 0: no limit)"),
+    "target": Setting("", "stop once this level is reached: LEVEL (the problem's target "
+                      "metric, else the loss) or NAME:LEVEL, such as loss:1e-6 or "
+                      "u_rel_l2:1e-8 (\"\": none)", check=parse_target),
     "checkpoint_every": Setting(25, "iterations between restart files", low=1, allowed=">= 1"),
     "grad_clip": Setting(0.0, "clip the global gradient norm", low=0.0, infinite=True,
                          allowed=">= 0 (0: no clipping)"),

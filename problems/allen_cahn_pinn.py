@@ -251,9 +251,11 @@ class AllenCahnNet(torch.nn.Module):
 
 
 class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
+    target_metric = "u_rel_l2"  # what --set target=LEVEL names
     defaults = {
         # trainer
         "iterations": 700,         # total trainer iterations (warm-up + second-order steps)
+        "time_limit": 15.0,        # minutes: whichever of the two comes first ends the run
         "lr": 1e-3,                # Adam learning rate
         "lr_decay": 0.9,           # Adam learning rate × lr_decay every lr_decay_every steps
         "lr_decay_every": 1000,

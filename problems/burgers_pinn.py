@@ -145,9 +145,11 @@ class HardConstrained(torch.nn.Module):
 
 
 class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
+    target_metric = "u_rel_l2"  # what --set target=LEVEL names
     defaults = {
         # trainer
         "iterations": 1200,        # total trainer iterations (warm-up + second-order steps)
+        "time_limit": 15.0,        # minutes: whichever of the two comes first ends the run
         "lr": 1e-3,                # Adam learning rate (warm-up, "adam+lbfgs", "adam")
         "eval_every": 10,
         "checkpoint_every": 100,

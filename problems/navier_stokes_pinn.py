@@ -113,12 +113,14 @@ def kovasznay(xy: torch.Tensor, re: float) -> torch.Tensor:
 
 
 class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
+    target_metric = "max_rel_l2"  # what --set target=LEVEL names
     collocation_key = "interior"  # restart state: the interior set and the dtype of xb
     dtype_key = "xb"
 
     defaults = {
         # trainer
         "iterations": 400,         # total trainer iterations (warm-up + second-order steps)
+        "time_limit": 15.0,        # minutes: whichever of the two comes first ends the run
         "lr": 1e-3,                # Adam learning rate
         "eval_every": 10,
         "checkpoint_every": 100,

@@ -36,6 +36,8 @@ One concern per module, each importing only those listed before it:
 * :mod:`.rows` — what one iteration's log row holds;
 * :mod:`.prepare` — settings, threads, the problem built, the checks before the first
   iteration, ``deepsolve plan``;
+* :mod:`.stopping` — a run's ``target`` and ``time_limit``: when it stops, and whether a
+  resumed one has anything to train;
 * :mod:`.run` — :func:`train` and the :class:`Run` (set-up, loop, iteration, checkpoint).
 """
 

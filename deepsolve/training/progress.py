@@ -50,10 +50,11 @@ class Lines:
     first iteration, then after any iteration that ends ``every`` seconds or more after the
     last line, and after the last iteration: iterations done, loss, seconds per iteration
     (the mean since the previous line, so a curriculum's longer stage shows at once), the
-    iteration's real peak and the time left at that pace."""
+    iteration's real peak and the time left at that pace (or to ``deadline``, a
+    ``time.perf_counter()`` at which a time limit stops the run, if sooner)."""
 
-    def __init__(self, total: int, start: int, every: float):
-        self.total, self.start, self.every = total, start, every
+    def __init__(self, total: int, start: int, every: float, deadline: float | None = None):
+        self.total, self.start, self.every, self.deadline = total, start, every, deadline
         self.last: float | None = None
         self.since, self.since_done = time.perf_counter(), start
 
@@ -64,16 +65,21 @@ class Lines:
         self.last = now
         per = (now - self.since) / max(done - self.since_done, 1)
         self.since, self.since_done = now, done
+        left = per * (self.total - done)
+        if self.deadline is not None:
+            left = min(left, max(self.deadline - now, 0.0))
         print(f"deepsolve train: iteration {done}/{self.total}  loss {loss:.4e}  "
               f"{per:.2f} s/it  peak {_fmt_mem(row.get('peak_real_memory'))}  "
-              f"ETA {_fmt_time(per * (self.total - done))}", file=sys.stderr, flush=True)
+              f"ETA {_fmt_time(left)}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass
 
 
-def progress(total: int, start: int, quiet: bool, every: float = 30.0):
-    """A tqdm bar on a terminal, one line per ``every`` seconds off it, nothing if quiet."""
+def progress(total: int, start: int, quiet: bool, every: float = 30.0,
+             deadline: float | None = None):
+    """A tqdm bar on a terminal, one line per ``every`` seconds off it, nothing if quiet;
+    ``deadline``: see :class:`Lines`."""
     if quiet:
         return None
-    return Bar(total, start) if sys.stderr.isatty() else Lines(total, start, every)
+    return Bar(total, start) if sys.stderr.isatty() else Lines(total, start, every, deadline)

@@ -50,8 +50,10 @@ def settings_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def save_restart(path: str, *, iteration: int, model, optimizer, scheduler, ctx: Context,
                  cfg: Mapping[str, Any], sha: str,
-                 problem_state: dict | None = None) -> None:
-    """Write the restart file atomically: a temporary file ``PATH.tmp-<pid>`` in the same
+                 problem_state: dict | None = None,
+                 stopping: Mapping[str, Any] | None = None) -> None:
+    """Write the restart file atomically (``stopping``: the training time and why the run
+    stopped, :meth:`.stopping.Stopping.state`): a temporary file ``PATH.tmp-<pid>`` in the same
     directory, fsync, then ``os.replace`` — a kill at any moment leaves the previous restart
     file intact. On failure (a full disk) the temporary file is removed and
     :class:`RestartError` says why."""
@@ -64,6 +66,7 @@ def save_restart(path: str, *, iteration: int, model, optimizer, scheduler, ctx:
         "config": json.dumps(settings_dict(cfg), default=str),
         "problem_sha256": sha,
         "problem": problem_state or {},
+        **(stopping or {}),
     }
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -89,6 +92,7 @@ _REQUIRED = ("iteration", "model", "optimizer", "rng")
 _TYPES: dict[str, tuple[type, ...]] = {
     "model": (Mapping,), "optimizer": (Mapping,), "rng": (Mapping,), "scheduler": (Mapping,),
     "problem": (Mapping,), "config": (str,), "problem_sha256": (str,),
+    "elapsed": (float, int), "stopped": (str,), "stopped_by": (str,),
 }
 
 

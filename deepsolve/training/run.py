@@ -11,7 +11,7 @@ hands over to a :class:`Run`:
 3. the loop (:meth:`Run.train`) calls :meth:`Run.iteration` once per iteration — loss terms,
    backward, optimiser step, one log row — and :meth:`Run.checkpoint` every
    ``checkpoint_every`` iterations, at the end, and when a signal asks the run to stop
-   (:mod:`.signals`).
+   (:mod:`.signals`) or it reaches its ``target`` or ``time_limit`` (:mod:`.stopping`).
 
 A checkpoint flushes the log to the disk before it publishes the restart file, so the log
 always holds the rows of the restart file's iterations. A fresh run that fails before its
@@ -34,6 +34,7 @@ import torch
 from ..config import RunConfig, horizon, parse_curriculum
 from ..memory.meter import host_high_water_mark, process_status, reset_high_water_mark
 from ..problem import ProblemError
+from ..settings import parse_target
 from .prepare import build, check_curriculum, check_mesh, log_attrs, prepare, run_threads
 from .progress import note, progress
 from .restart import restore, save_restart
@@ -57,6 +58,7 @@ from .rundir import (
     remove_stale_temporaries,
 )
 from .signals import Preemption
+from .stopping import Stopping, check_resume
 
 if TYPE_CHECKING:
     from ..distributed.data import DistInfo
@@ -78,6 +80,7 @@ class TrainResult:
     rank: int = 0            # this process's rank in a distributed run (only rank 0 writes)
     metrics: dict[str, float] = field(default_factory=dict)  # the last evaluate()'s values
     interrupted: bool = False  # stopped by SIGINT (Ctrl-C): the CLI exits with 130
+    stopped: str = ""        # the target reached or the time limit (the log's `stopped`)
 
 
 def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
@@ -131,6 +134,8 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
                 remove_stale_spill_dirs()
                 start = inspect_run_dir(run_dir, files.log, files.restart, resume,
                                         int(cfg["iterations"]))
+                if start.restart is not None:
+                    check_resume(start.restart, cfg, files.restart)
             except BaseException as e:
                 err = e
         try:
@@ -242,12 +247,16 @@ class Run:
                 check_curriculum(self.problem_path, problem, ctx, stages)
             optimizer = problem.optimizer(ctx, params)
             scheduler = getattr(problem, "scheduler", lambda ctx, opt: None)(ctx, optimizer)
+            elapsed = float((self.begin.restart or {}).get("elapsed", 0.0))
             if self.begin.restart is not None:
                 restore(self.files.restart, self.begin.restart, problem, ctx, optimizer,
                         scheduler, self.problem_path, sha)
                 self.begin.restart = None
             with torch.no_grad():  # a new log's baseline
                 baseline, baseline_curves = split_evaluation(problem.evaluate(ctx))
+            self.stopping = Stopping(parse_target(cfg["target"]), float(cfg["time_limit"]),
+                                     elapsed, baseline, getattr(problem, "target_metric", None),
+                                     self.problem_path)
         except BaseException:
             if self.begin.created and self.main:
                 remove_empty_dir(self.files.run_dir)
@@ -337,7 +346,7 @@ class Run:
                 preempted = True
             else:
                 bar = progress(iterations, start, self.quiet or not self.main,
-                               float(self.cfg["progress_every"]))
+                               float(self.cfg["progress_every"]), self.stopping.deadline())
                 self.host_base = process_status("VmRSS:")  # the run's real-peak baseline
                 for it in range(start, iterations):
                     row, last_loss = self.iteration(it)
@@ -351,11 +360,14 @@ class Run:
                                                  f"{it}; lower the learning rate "
                                                  "(--set lr=...)")
                     stopping = D.any_rank(dist, self.stop.signal is not None, ctx.device)
-                    if self.main and (stopping or (it + 1) % ckpt_every == 0
+                    done = bool(self.stopping.reason)   # a target or the time limit
+                    if self.main and (stopping or done or (it + 1) % ckpt_every == 0
                                       or it == iterations - 1):
                         self.checkpoint(it + 1)
-                    if stopping:
-                        preempted, it = True, it + 1
+                    if stopping or done:
+                        preempted, it = stopping, it + 1
+                        if done and not self.quiet and self.main:
+                            note(f"stopped after iteration {it}: {self.stopping.reason}")
                         break
                 else:
                     it = iterations
@@ -364,7 +376,8 @@ class Run:
             if bar is not None:
                 bar.close()
         return TrainResult(self.files.run_dir, self.files.log, self.files.restart, it,
-                           last_loss, preempted, dist.rank, self.metrics)
+                           last_loss, preempted, dist.rank, self.metrics,
+                           stopped=self.stopping.reason)
 
     def checkpoint(self, k: int) -> None:
         """Write the restart file at iteration ``k``. The log's rows up to iteration ``k-1``
@@ -374,7 +387,8 @@ class Run:
         save_restart(self.files.restart, iteration=k, model=self.model,
                      optimizer=self.optimizer, scheduler=self.scheduler, ctx=self.ctx,
                      cfg=self.cfg, sha=self.sha,
-                     problem_state=self.problem.state_dict(self.ctx))
+                     problem_state=self.problem.state_dict(self.ctx),
+                     stopping=self.stopping.state())
         self.wrote["restart"] = True
 
     # -- one iteration -------------------------------------------------------------------
@@ -394,7 +408,14 @@ class Run:
         ctx.want_adjoint_norms = bool(adjoint)
         track = (ctx.device.type == "cpu" and bool(cfg["budget"])
                  and it % max(int(cfg.get("memory_every", 1)), 1) == 0)
+        stopping = self.stopping
+        stopping.start_iteration()
         row, loss = self._step(it, track)
+        terms = {k[len("loss/"):]: v for k, v in row.items() if k.startswith("loss/")}
+        if stopping.loss_reached(loss, terms):
+            stopping.stop("target", row[str(stopping.name)])
+        elif stopping.timed and D.any_rank(dist, stopping.out_of_time(), ctx.device):
+            stopping.stop("time_limit")
         row["budget_bytes"] = budget_bytes(ctx)
         if self.stages:
             row["n_steps"] = int(ctx.horizon)
@@ -404,12 +425,19 @@ class Run:
         for k in self.baseline:
             row[f"metric/{k}"] = math.nan
         eval_every = int(cfg["eval_every"])
-        if (eval_every and (it + 1) % eval_every == 0) or it == int(cfg["iterations"]) - 1:
+        if ((eval_every and (it + 1) % eval_every == 0) or it == int(cfg["iterations"]) - 1
+                or stopping.reason):
             with torch.no_grad():
                 numbers, curves = split_evaluation(self.problem.evaluate(ctx))
             for k, v in numbers.items():
                 row[f"metric/{k}"] = self.metrics[k] = v
             log_evaluation_curves(log, it, curves)
+            if stopping.metric and not stopping.reason and D.any_rank(
+                    dist, stopping.metric_reached(numbers), ctx.device):
+                stopping.stop("target", numbers.get(str(stopping.name), math.nan))
+        row["elapsed"] = stopping.elapsed()
+        if stopping.reason:
+            row["stopped"] = stopping.reason
         return row, loss
 
     def _step(self, it: int, track: bool) -> tuple[dict[str, Any], float]:

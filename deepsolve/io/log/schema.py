@@ -46,7 +46,7 @@ INT_MISSING = -1
 
 UNITS: dict[str, str] = {
     "iteration": "1",
-    "time": "s", "time_forward": "s", "time_backward": "s",
+    "time": "s", "time_forward": "s", "time_backward": "s", "elapsed": "s",
     "peak_device_memory": "bytes", "peak_host_memory": "bytes",
     "peak_real_memory": "bytes", "peak_tracked_memory": "bytes", "budget_bytes": "bytes",
     "advances": "step evaluations", "recorded": "step evaluations", "snapshots": "states",

@@ -1,0 +1,177 @@
+"""Stopping by target and by time (deepsolve/training/stopping.py): the first row at or
+below the target ends the run, a time limit ends it within the limit, both are logged,
+written to the restart file and honoured on --resume."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from deepsolve.cli import main
+from deepsolve.io import read_log
+from deepsolve.problem import ProblemError
+from deepsolve.settings import ConfigError, Target, parse_target
+from deepsolve.training import train
+from deepsolve.training.restart import RestartError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = os.path.join(HERE, "data", "tiny_problem.py")
+
+
+def _log(out):
+    return read_log(os.path.join(out, "log.h5")).columns
+
+
+@pytest.mark.parametrize("text,want", [
+    ("", None), ("  ", None), ("1e-8", Target(None, 1e-8)),
+    ("loss:1e-6", Target("loss", 1e-6)), ("loss/pde:2e-3", Target("loss/pde", 2e-3)),
+    (" u_rel_l2 : 5e-9 ", Target("u_rel_l2", 5e-9)), (1e-4, Target(None, 1e-4)),
+])
+def test_parse_target_forms(text, want):
+    assert parse_target(text) == want
+
+
+@pytest.mark.parametrize("text,match", [
+    ("u:abc", "'abc' is not a number"), (":1e-3", "name before ':' is empty"),
+    ("loss:0", "finite number > 0"), ("loss:-1", "finite number > 0"),
+    ("loss:inf", "finite number > 0"), ("nan", "finite number > 0"), (True, "not a level"),
+])
+def test_parse_target_refuses_bad_input_in_one_line(text, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        parse_target(text)
+    assert "\n" not in str(e.value) and "--set target=" in str(e.value)
+
+
+def test_loss_target_stops_at_the_first_row_at_or_below_it(tmp_path):
+    out = str(tmp_path / "run")
+    res = train(TINY, overrides={"iterations": 500, "target": "loss:1e-4"}, out=out,
+                quiet=True)
+    c = _log(out)
+    n = len(c["loss"])
+    assert 1 < n < 500 and res.iterations == n and not res.preempted
+    assert c["loss"][-1] <= 1e-4 and np.all(c["loss"][:-1] > 1e-4)
+    assert res.stopped == c["stopped"][-1] and res.stopped.startswith("target loss")
+    assert all(s == "" for s in c["stopped"][:-1])
+    assert math.isfinite(c["metric/rate_error"][-1])   # the last row is evaluated
+    state = torch.load(os.path.join(out, "restart.pt"), weights_only=True)
+    assert state["iteration"] == n and state["stopped"] == res.stopped
+    # elapsed: the training time at each row's end, increasing, at least the rows' times
+    assert np.all(np.diff(c["elapsed"]) > 0) and c["elapsed"][-1] >= c["time"].sum()
+    assert state["elapsed"] >= c["elapsed"][-1]
+
+
+def test_a_loss_term_can_be_the_target(tmp_path):
+    out = str(tmp_path / "run")
+    res = train(TINY, overrides={"iterations": 500, "target": "loss/misfit:1e-4"}, out=out,
+                quiet=True)
+    c = _log(out)
+    assert c["loss/misfit"][-1] <= 1e-4 and np.all(c["loss/misfit"][:-1] > 1e-4)
+    assert res.stopped.startswith("target loss/misfit")
+
+
+def test_metric_target_is_read_when_the_metric_is_evaluated(tmp_path):
+    out = str(tmp_path / "run")
+    res = train(TINY, overrides={"iterations": 500, "eval_every": 3,
+                                 "target": "rate_error:0.01"}, out=out, quiet=True)
+    c = _log(out)
+    n = len(c["loss"])
+    assert n % 3 == 0 and n < 500        # the stop is at an evaluated row
+    err = c["metric/rate_error"]
+    evaluated = err[np.isfinite(err)]
+    assert evaluated[-1] <= 0.01 and np.all(evaluated[:-1] > 0.01)
+    assert res.metrics["rate_error"] == evaluated[-1]
+    assert res.stopped.startswith("target rate_error")
+
+
+def test_a_level_alone_names_the_problems_target_metric(tmp_path):
+    src = open(TINY).read().replace("class Decay(deepsolve.Problem):\n",
+                                    "class Decay(deepsolve.Problem):\n"
+                                    "    target_metric = 'rate_error'\n")
+    path = tmp_path / "decay_target.py"
+    path.write_text(src)
+    res = train(str(path), overrides={"iterations": 500, "eval_every": 1, "target": 0.02},
+                out=str(tmp_path / "run"), quiet=True)
+    assert res.stopped.startswith("target rate_error") and res.metrics["rate_error"] <= 0.02
+    res = train(TINY, overrides={"iterations": 500, "target": 1e-4},
+                out=str(tmp_path / "run2"), quiet=True)   # no target_metric: the loss
+    assert res.stopped.startswith("target loss ") and res.final_loss <= 1e-4
+
+
+def test_an_unknown_target_name_fails_in_one_line_and_leaves_nothing(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ProblemError, match="no metric 'u_err'.*rate_error") as e:
+        train(TINY, overrides={"target": "u_err:1e-3"}, out=str(out), quiet=True)
+    assert "\n" not in str(e.value)
+    assert not out.exists()
+
+
+def test_target_reached_then_resume(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    first = train(TINY, overrides={"iterations": 500, "target": "loss:1e-3"}, out=out,
+                  quiet=True)
+    before = open(os.path.join(out, "log.h5"), "rb").read()
+    with pytest.raises(RestartError, match="reached its target.*nothing to train"):
+        train(TINY, overrides={"iterations": 500, "target": "loss:1e-3"}, out=out,
+              resume=True, quiet=True)
+    assert open(os.path.join(out, "log.h5"), "rb").read() == before   # nothing changed
+    assert main(["train", TINY, "--out", out, "--resume", "--iterations", "500", "--set",
+                 "target=loss:1e-3", "--quiet"]) == 2
+    assert "reached its target" in capsys.readouterr().err
+    # a lower target continues the same run: its rows follow on
+    second = train(TINY, overrides={"iterations": 500, "target": "loss:1e-4"}, out=out,
+                   resume=True, quiet=True)
+    c = _log(out)
+    assert second.iterations > first.iterations == np.flatnonzero(c["stopped"] != "")[0] + 1
+    np.testing.assert_array_equal(c["iteration"], np.arange(second.iterations))
+    assert c["loss"][-1] <= 1e-4 and np.all(c["loss"][first.iterations:-1] > 1e-4)
+
+
+def test_time_limit_ends_the_run_within_it_and_resume_counts_on(tmp_path):
+    out = str(tmp_path / "run")
+    limit = 0.02   # minutes: 1.2 s of iterations that sleep 50 ms each
+    res = train(TINY, overrides={"iterations": 10_000, "sleep": 0.05, "eval_every": 0,
+                                 "time_limit": limit}, out=out, quiet=True)
+    c = _log(out)
+    n = len(c["loss"])
+    assert 5 < n < 10_000 and res.stopped == "time_limit 0.02 min"
+    assert c["stopped"][-1] == res.stopped and math.isfinite(c["metric/rate_error"][-1])
+    # the decision: the last row is the first whose step left less than one more
+    # iteration of its pace before the limit: the rows before it ended in time, and the
+    # run used its time (it stopped within about one iteration of the limit)
+    per = np.diff(np.concatenate([[0.0], c["elapsed"]]))
+    assert np.all(c["elapsed"][:-1] < 60 * limit)
+    assert 60 * limit - per.max() <= c["elapsed"][-1] <= 60 * limit + 2 * per.max() + 0.5
+    with pytest.raises(RestartError, match="time limit.*nothing to train.*time_limit="):
+        train(TINY, overrides={"iterations": 10_000, "sleep": 0.05, "time_limit": limit},
+              out=out, resume=True, quiet=True)
+    more = train(TINY, overrides={"iterations": 10_000, "sleep": 0.05, "eval_every": 0,
+                                  "time_limit": 2 * limit}, out=out, resume=True, quiet=True)
+    c2 = _log(out)
+    assert more.iterations > n and more.stopped == "time_limit 0.04 min"
+    np.testing.assert_array_equal(c2["iteration"], np.arange(more.iterations))
+    # the clock went on from the restart file's: the resumed rows start past the first part
+    assert c2["elapsed"][n] > c["elapsed"][-1] and np.all(np.diff(c2["elapsed"]) > 0)
+    assert c2["elapsed"][-1] <= 60 * 2 * limit + 2 * per.max() + 0.5
+    # no limit at all: on to the iterations
+    done = train(TINY, overrides={"iterations": more.iterations + 3, "sleep": 0.0,
+                                  "time_limit": 0}, out=out, resume=True, quiet=True)
+    assert done.iterations == more.iterations + 3 and done.stopped == ""
+
+
+def test_progress_eta_is_the_time_left_when_a_limit_comes_first(monkeypatch, capsys):
+    import deepsolve.training.progress as progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    lines = progress.Lines(total=1000, start=0, every=0.0, deadline=130.0)
+    now[0] = 101.0
+    lines.update(0, 1.0, {})
+    assert "ETA 29s" in capsys.readouterr().err   # 999 s at 1 s/it, but 29 s to the limit
+    lines = progress.Lines(total=10, start=0, every=0.0, deadline=1000.0)
+    now[0] = 102.0
+    lines.update(0, 1.0, {})
+    assert "ETA 9s" in capsys.readouterr().err    # the iterations end first
