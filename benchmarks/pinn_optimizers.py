@@ -36,6 +36,12 @@ CASES: dict[str, dict[str, list[str]]] = {
         "defaults": [],
         "gauss_newton": ["optimizer=gauss_newton"],
         "bfgs": ["optimizer=bfgs"],
+        "fixed points (no RAD)": ["rad_every=0"],
+        "RBA (linear), fixed points": ["rad_every=0", "attention=linear",
+                                       "attention_gamma=0.99", "attention_eta=0.01"],
+        "vRBA (exponential), fixed points": ["rad_every=0", "attention=exponential",
+                                             "attention_gamma=0.99", "attention_eta=0.01",
+                                             "attention_temperature=0.25"],
         "old defaults (Adam → L-BFGS)": [
             "optimizer=adam+lbfgs", "dtype=float32", "switch_at=1000", "width=20", "depth=8",
             "n_collocation=10000", "rad_every=0", "iterations=1150"],

@@ -85,6 +85,7 @@ from scipy.special import roots_hermite
 
 import deepsolve
 from deepsolve.pinn import (
+    ATTENTION_SETTINGS,
     FNN,
     SECOND_ORDER_SETTINGS,
     AdamLBFGSTraining,
@@ -92,6 +93,7 @@ from deepsolve.pinn import (
     Collocation,
     LeastSquaresTerm,
     Rectangle,
+    ResidualAttention,
     jet,
     make_weights,
 )
@@ -186,6 +188,8 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
         "rad_c": 1.0,
         "residual_budget": "",     # e.g. "64MiB": chunk the residual ("" = the run's budget)
         # weighting
+        **ATTENTION_SETTINGS,      # attention ("", "linear" RBA, "exponential" vRBA),
+                                   # attention_gamma, _eta, _temperature, _every
         "weighting": "fixed",
         "anneal_alpha": 0.9,
         "anneal_every": 100,
@@ -242,11 +246,16 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
             "test": t_(np.stack([X.ravel(), T.ravel()], 1)),
             "test_exact": t_(exact.ravel()),
             "weights": weights,
-            "residual": ChunkedResidual(self._pde_fn(ctx),
+            "attention": self.make_attention(cfg),
+            "residual": ChunkedResidual(self._weighted(self._pde_fn(ctx), cfg),
                                         params=list(ctx.model.parameters()),
                                         budget=str(cfg.residual_budget or cfg.budget)
                                         or None),
         }
+
+    def _weighted(self, fn, cfg):
+        """``fn`` of points with their attention weights (:meth:`attend`), when on."""
+        return ResidualAttention.weighted(fn) if str(cfg.attention) else fn
 
     def _pde_fn(self, ctx):
         def fn(x):
@@ -280,8 +289,10 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
     def least_squares_terms(self, ctx, iteration):
         """The loss terms as residual vectors, for ``optimizer = "gauss_newton"``."""
         d, w = ctx.data, ctx.data["weights"]
-        terms = [LeastSquaresTerm(lambda x: self.pde(ctx, x, "func"),
-                                  self._points(ctx, iteration), float(w.get("pde", 1.0)))]
+        x = self._points(ctx, iteration)
+        pts = self.attend(ctx, iteration, x, lambda p: self.pde(ctx, p))
+        terms = [LeastSquaresTerm(self._weighted(lambda p: self.pde(ctx, p, "func"), ctx.cfg),
+                                  pts, float(w.get("pde", 1.0)))]
         if not _constraints(ctx.cfg):
             for k in ("initial", "boundary"):  # points (x, t, u): the target rides along
                 pts = torch.cat([d[f"x_{k}"], d[f"u_{k}"].unsqueeze(1)], 1)
@@ -292,6 +303,7 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
     def residuals(self, ctx, iteration):
         d, cfg = ctx.data, ctx.cfg
         x = self._points(ctx, iteration)
+        x = self.attend(ctx, iteration, x, lambda p: self.pde(ctx, p))
         terms = {"pde": d["residual"](x)}
         if _constraints(cfg):  # initial and boundary values hold exactly
             d["weights"].update_from(terms, ctx.model.parameters(), iteration)

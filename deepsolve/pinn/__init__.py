@@ -11,6 +11,8 @@
 * :mod:`.sampling` — :class:`Collocation` sets that resample every K iterations and grow by
   residual-based adaptive refinement (RAR).
 * :mod:`.weighting` — fixed weights and learning-rate annealing (:func:`make_weights`).
+* :mod:`.attention` — pointwise residual weights updated from the residuals: RBA and the
+  variational vRBA (:class:`ResidualAttention`), usable with every optimiser.
 * :mod:`.causal` — causal residual weighting for time-dependent problems
   (:func:`causal_loss`, :class:`CausalWeighting` with its ``eps`` schedule) and time-sliced
   collocation points (:func:`sample_time_slices`).
@@ -29,6 +31,7 @@
 See docs/pinn.md.
 """
 
+from .attention import POTENTIALS, ResidualAttention
 from .causal import (
     PAPER_EPS,
     CausalWeighting,
@@ -62,10 +65,17 @@ from .networks import ACTIVATIONS, FNN
 from .optim import AdamLBFGS, AdamWarmup, switch_precision
 from .quasi_newton import QUASI_NEWTON, SelfScaledBroyden
 from .sampling import Collocation, residual_magnitude, select_largest
-from .training import OPTIMIZERS, SECOND_ORDER, SECOND_ORDER_SETTINGS, AdamLBFGSTraining
+from .training import (
+    ATTENTION_SETTINGS,
+    OPTIMIZERS,
+    SECOND_ORDER,
+    SECOND_ORDER_SETTINGS,
+    AdamLBFGSTraining,
+)
 from .weighting import AnnealingWeights, FixedWeights, Weights, make_weights
 
 __all__ = [
+    "ResidualAttention", "POTENTIALS", "ATTENTION_SETTINGS",
     "Jet", "jet", "jacobian", "gradient", "hessian", "partial", "laplacian", "divergence",
     "pointwise", "FNN", "ACTIVATIONS",
     "Box", "Interval", "Rectangle", "SpaceTime", "unit_samples",

@@ -17,7 +17,9 @@ deepsolve.Problem)``). It supplies, from the problem's settings, the hooks the t
   ``switch_dtype`` (:func:`~deepsolve.pinn.switch_precision`); returns whether the L-BFGS
   memory must be reset. Override it to reset on other changes of the objective;
 * ``weights`` — ``ctx.data["weights"]`` (a :class:`~deepsolve.pinn.Weights`);
-* ``state_dict`` / ``load_state_dict`` — the weights, the collocation set
+* ``attend`` — pointwise residual weights (RBA / vRBA, :mod:`.attention`) from the
+  ``attention`` settings (:data:`ATTENTION_SETTINGS`, :meth:`make_attention`);
+* ``state_dict`` / ``load_state_dict`` — the weights, the attention weights, the collocation set
   (``ctx.data[collocation_key]``, RAR points included) and the run's precision (the dtype of
   ``ctx.data[dtype_key]``), restored before the trainer loads model and optimiser.
 
@@ -33,11 +35,13 @@ from typing import Any
 
 import torch
 
+from .attention import ResidualAttention
 from .gauss_newton import GaussNewton, LeastSquaresTerm
 from .optim import AdamLBFGS, AdamWarmup, switch_precision
 from .quasi_newton import SelfScaledBroyden
 
-__all__ = ["AdamLBFGSTraining", "OPTIMIZERS", "SECOND_ORDER", "SECOND_ORDER_SETTINGS"]
+__all__ = ["AdamLBFGSTraining", "OPTIMIZERS", "SECOND_ORDER", "SECOND_ORDER_SETTINGS",
+           "ATTENTION_SETTINGS"]
 
 OPTIMIZERS = ("adam+lbfgs", "adam", "lbfgs", "ssbroyden", "bfgs", "gauss_newton")
 """The values of the ``optimizer`` setting."""
@@ -55,6 +59,18 @@ SECOND_ORDER_SETTINGS: dict[str, Any] = {
 }
 """The settings the second-order optimizers read, with their defaults: a problem class puts
 ``**SECOND_ORDER_SETTINGS`` in its ``defaults`` (and may override any of them)."""
+
+ATTENTION_SETTINGS: dict[str, Any] = {
+    "attention": "",           # pointwise residual weights: "" (off), "linear" (RBA) or
+                               # "exponential" (vRBA); deepsolve.pinn.ResidualAttention
+    "attention_gamma": 0.999,  # memory of the weights' update
+    "attention_eta": 0.01,     # step of the weights' update
+    "attention_temperature": 0.1,  # "exponential": softmax temperature (relative residual)
+    "attention_every": 1,      # trainer iterations between updates
+}
+"""The settings of pointwise residual weights (:mod:`.attention`), with their defaults; a
+problem puts ``**ATTENTION_SETTINGS`` in its ``defaults`` and calls :meth:`AdamLBFGSTraining
+.attend` on its residual's points."""
 
 
 class AdamLBFGSTraining:
@@ -158,6 +174,27 @@ class AdamLBFGSTraining:
                                 adam_lr=float(cfg.lr), on_step=lambda k: self.on_step(ctx, k)))
         return outer[0]
 
+    @staticmethod
+    def make_attention(cfg) -> ResidualAttention | None:
+        """The :class:`~deepsolve.pinn.ResidualAttention` the ``attention`` settings ask for
+        (``None`` when off); a problem keeps it as ``ctx.data["attention"]``."""
+        kind = str(getattr(cfg, "attention", "") or "")
+        if not kind:
+            return None
+        return ResidualAttention(kind, float(cfg.attention_gamma), float(cfg.attention_eta),
+                                 float(cfg.attention_temperature))
+
+    def attend(self, ctx, iteration: int, x: torch.Tensor, fn,
+               chunk_size: int | None = None) -> torch.Tensor:
+        """The points ``x`` of the residual ``fn`` with their attention weights as a last
+        column, updated once in ``iteration`` (every ``attention_every``); the residual
+        then is ``ResidualAttention.weighted(fn)``. ``x`` itself when attention is off."""
+        att = ctx.data.get("attention")
+        if att is None:
+            return x
+        return att.step(fn, x, iteration, int(getattr(ctx.cfg, "attention_every", 1)),
+                        chunk_size)
+
     def weights(self, ctx):
         return ctx.data["weights"]
 
@@ -169,6 +206,8 @@ class AdamLBFGSTraining:
                  "dtype": str(d[self.dtype_key].dtype).removeprefix("torch.")}
         if self.collocation_key is not None:
             state["collocation"] = d[self.collocation_key].state_dict()
+        if d.get("attention") is not None:
+            state["attention"] = d["attention"].state_dict()
         return state
 
     def load_state_dict(self, ctx, state: dict[str, Any]) -> None:
@@ -177,3 +216,5 @@ class AdamLBFGSTraining:
         ctx.data["weights"].update(state["weights"])
         if self.collocation_key is not None and "collocation" in state:
             ctx.data[self.collocation_key].load_state_dict(state["collocation"])
+        if ctx.data.get("attention") is not None and "attention" in state:
+            ctx.data["attention"].load_state_dict(state["attention"])
