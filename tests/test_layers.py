@@ -138,7 +138,7 @@ FLOOR = {name: k for k, names in enumerate(FLOORS) for name in names}
 
 # the training package's modules in their order: each imports only those before it
 TRAINING = ["progress", "signals", "rng", "restart", "rundir", "rows", "prepare", "check",
-            "run", "__init__"]
+            "stopping", "run", "__init__"]
 
 
 def _target(mod: str, names: list[str]) -> list[str]:

@@ -7,7 +7,9 @@ The row's columns (docs/problems.md, "The log"): ``iteration``, ``loss``, ``loss
 the run's baseline on the CPU), ``peak_tracked_memory``, ``peak_host_memory``, ``advances``,
 ``recorded``, ``snapshots``, ``schedule``, ``compile_time``, ``lr``, ``grad_norm``, then
 ``budget_bytes``, ``n_steps`` (curricula), ``*_max`` (distributed runs) and ``metric/<name>``;
-the curves an evaluation returns (:class:`deepsolve.Curve`) go to the groups ``eval_<name>``.
+the curves an evaluation returns (:class:`deepsolve.Curve`) go to the groups ``eval_<name>``;
+``elapsed`` and ``stopped`` (:mod:`.stopping`). Where rows go: rank 0's log, :func:`mirrored`
+to TensorBoard, or :class:`NoLog` on the other ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from ..problem import Context, Curve, ProblemError
 
 __all__ = ["check_terms", "budget_bytes", "log_adjoint_norms", "add_rank_peaks", "StatsSum",
-           "split_evaluation", "log_evaluation_curves"]
+           "split_evaluation", "log_evaluation_curves", "NoLog", "mirrored"]
 
 
 def check_terms(terms: Any, it: int) -> dict[str, torch.Tensor]:
@@ -120,3 +122,36 @@ class StatsSum:
     @property
     def snapshot_bytes_peak(self) -> int:
         return sum(s.snapshot_bytes_peak for s in self.stats[self.start:])
+
+
+class NoLog:
+    """The log of ranks other than 0: they write nothing."""
+
+    columns: list[str] = []
+
+    def append(self, row):
+        pass
+
+    def flush(self, sync: bool = False):
+        pass
+
+    def close(self):
+        pass
+
+    def truncate_after(self, iteration):
+        return 0
+
+    def append_curve(self, *args):
+        pass
+
+
+def mirrored(log, logdir: str, start: int):
+    """The log with its rows mirrored to TensorBoard event files in ``logdir`` (a resumed
+    run hides the events a killed run wrote from ``start`` on)."""
+    from ..io.tracking import MirroredLog, TensorBoardMirror
+
+    try:
+        return MirroredLog(log, TensorBoardMirror(logdir, purge_step=start or None))
+    except BaseException:
+        log.close()
+        raise

@@ -39,12 +39,14 @@ from .prepare import build, check_curriculum, check_mesh, log_attrs, prepare, ru
 from .progress import note, progress
 from .restart import restore, save_restart
 from .rows import (
+    NoLog,
     StatsSum,
     add_rank_peaks,
     budget_bytes,
     check_terms,
     log_adjoint_norms,
     log_evaluation_curves,
+    mirrored,
     split_evaluation,
 )
 from .rundir import (
@@ -166,39 +168,6 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
             run.close()
             if lock is not None:
                 lock.release()
-
-
-class NoLog:
-    """The log of ranks other than 0: they write nothing."""
-
-    columns: list[str] = []
-
-    def append(self, row):
-        pass
-
-    def flush(self, sync: bool = False):
-        pass
-
-    def close(self):
-        pass
-
-    def truncate_after(self, iteration):
-        return 0
-
-    def append_curve(self, *args):
-        pass
-
-
-def mirrored(log, logdir: str, start: int):
-    """The log with its rows mirrored to TensorBoard event files in ``logdir`` (a resumed
-    run hides the events a killed run wrote from ``start`` on)."""
-    from ..io.tracking import MirroredLog, TensorBoardMirror
-
-    try:
-        return MirroredLog(log, TensorBoardMirror(logdir, purge_step=start or None))
-    except BaseException:
-        log.close()
-        raise
 
 
 class Run:
@@ -366,8 +335,6 @@ class Run:
                         self.checkpoint(it + 1)
                     if stopping or done:
                         preempted, it = stopping, it + 1
-                        if done and not self.quiet and self.main:
-                            note(f"stopped after iteration {it}: {self.stopping.reason}")
                         break
                 else:
                     it = iterations
@@ -375,6 +342,8 @@ class Run:
             self.log.close()
             if bar is not None:
                 bar.close()
+        if self.stopping.reason and not self.quiet and self.main:
+            note(f"stopped after iteration {it}: {self.stopping.reason}")
         return TrainResult(self.files.run_dir, self.files.log, self.files.restart, it,
                            last_loss, preempted, dist.rank, self.metrics,
                            stopped=self.stopping.reason)
@@ -411,11 +380,11 @@ class Run:
         stopping = self.stopping
         stopping.start_iteration()
         row, loss = self._step(it, track)
-        terms = {k[len("loss/"):]: v for k, v in row.items() if k.startswith("loss/")}
-        if stopping.loss_reached(loss, terms):
-            stopping.stop("target", row[str(stopping.name)])
-        elif stopping.timed and D.any_rank(dist, stopping.out_of_time(), ctx.device):
-            stopping.stop("time_limit")
+
+        def agree(flag: bool) -> bool:   # every rank takes the same decision
+            return D.any_rank(dist, flag, ctx.device)
+
+        stopping.after_step(row, agree)
         row["budget_bytes"] = budget_bytes(ctx)
         if self.stages:
             row["n_steps"] = int(ctx.horizon)
@@ -432,9 +401,7 @@ class Run:
             for k, v in numbers.items():
                 row[f"metric/{k}"] = self.metrics[k] = v
             log_evaluation_curves(log, it, curves)
-            if stopping.metric and not stopping.reason and D.any_rank(
-                    dist, stopping.metric_reached(numbers), ctx.device):
-                stopping.stop("target", numbers.get(str(stopping.name), math.nan))
+            stopping.after_evaluation(numbers, agree)
         row["elapsed"] = stopping.elapsed()
         if stopping.reason:
             row["stopped"] = stopping.reason

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..problem import ProblemError
@@ -103,6 +103,22 @@ class Stopping:
     def metric_reached(self, metrics: Mapping[str, float]) -> bool:
         """Whether the target's metric, just evaluated, is at or below its level."""
         return self.metric and metrics.get(str(self.name), math.nan) <= self.level
+
+    def after_step(self, row: Mapping[str, Any], agree: Callable[[bool], bool]) -> None:
+        """After the optimiser's step, its log ``row`` (``loss``, ``loss/<term>``) known:
+        stop at the loss target, or at the time limit when any rank (``agree``) is out of
+        time."""
+        terms = {k[len("loss/"):]: v for k, v in row.items() if k.startswith("loss/")}
+        if self.loss_reached(float(row["loss"]), terms):
+            self.stop("target", float(row[str(self.name)]))
+        elif self.timed and agree(self.out_of_time()):
+            self.stop("time_limit")
+
+    def after_evaluation(self, metrics: Mapping[str, float],
+                         agree: Callable[[bool], bool]) -> None:
+        """After an evaluation: stop at the metric target (when any rank reached it)."""
+        if self.metric and not self.reason and agree(self.metric_reached(metrics)):
+            self.stop("target", metrics.get(str(self.name), math.nan))
 
     def stop(self, why: str, value: float | None = None) -> str:
         """Record why the run stops: ``"target"`` (with the value reached) or
