@@ -120,14 +120,13 @@ class Stopping:
         if self.metric and not self.reason and agree(self.metric_reached(metrics)):
             self.stop("target", metrics.get(str(self.name), math.nan))
 
-    def stop(self, why: str, value: float | None = None) -> str:
+    def stop(self, why: str, value: float | None = None) -> None:
         """Record why the run stops: ``"target"`` (with the value reached) or
-        ``"time_limit"``; returns the reason's text (the log's ``stopped``)."""
+        ``"time_limit"``; the reason's text is the log's ``stopped``."""
         if why == "target":
             self.reason = f"target {self.name} {value:.3e} <= {self.level:g}"
         else:
             self.reason = f"time_limit {self.limit / 60:g} min"
-        return self.reason
 
     def state(self) -> dict[str, Any]:
         """What the restart file keeps: the training time, the reason and what set it."""
