@@ -25,6 +25,8 @@
 * :mod:`.gauss_newton` — :class:`GaussNewton`: Levenberg–Marquardt on the residual vector
   (:class:`LeastSquaresTerm`), Jacobian by ``torch.func`` in chunks
   (:func:`residual_jacobian`), dense normal equations or matrix-free CG.
+* :mod:`.problem` — :class:`PINNProblem`, a problem file's base class: the physics (points,
+  residuals, conditions, reference) in, the trainer's hooks out; :class:`Published` results.
 * :mod:`.training` — :class:`AdamLBFGSTraining`, the optimiser, precision-switch and
   restart-state hooks that PINN problem classes share.
 
@@ -63,6 +65,7 @@ from .gauss_newton import GaussNewton, LeastSquaresTerm, least_squares_loss, res
 from .geometry import Box, Interval, Rectangle, SpaceTime, unit_samples
 from .networks import ACTIVATIONS, FNN
 from .optim import AdamLBFGS, AdamWarmup, switch_precision
+from .problem import PINN_SETTINGS, Condition, PINNProblem, Published
 from .quasi_newton import QUASI_NEWTON, SelfScaledBroyden
 from .sampling import Collocation, residual_magnitude, select_largest
 from .training import (
@@ -75,6 +78,7 @@ from .training import (
 from .weighting import AnnealingWeights, FixedWeights, Weights, make_weights
 
 __all__ = [
+    "PINNProblem", "Published", "PINN_SETTINGS", "Condition",
     "ResidualAttention", "POTENTIALS", "ATTENTION_SETTINGS",
     "Jet", "jet", "jacobian", "gradient", "hessian", "partial", "laplacian", "divergence",
     "pointwise", "FNN", "ACTIVATIONS",
