@@ -35,6 +35,9 @@ CASES: dict[str, dict[str, list[str]]] = {
     "burgers": {
         "defaults": [],
         "gauss_newton": ["optimizer=gauss_newton"],
+        "gauss_newton, sketched (20% of points)": ["optimizer=gauss_newton", "gn_sketch=0.2"],
+        "gauss_newton, doubly sketched (20% of points, 50% of parameters)": [
+            "optimizer=gauss_newton", "gn_sketch=0.2", "gn_sketch_params=0.5"],
         "bfgs": ["optimizer=bfgs"],
         "fixed points (no RAD)": ["rad_every=0"],
         "RBA (linear), fixed points": ["rad_every=0", "attention=linear",

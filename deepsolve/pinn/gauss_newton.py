@@ -40,6 +40,21 @@ J)_{jj}`.
   products :math:`J v` (``torch.func.jvp``) and :math:`J^\top u` (``torch.func.vjp``) over
   the same chunks, at most ``cg_iters`` iterations to relative residual ``cg_tol``.
 
+* **Sketched curvature** (``sketch``; dense path). The normal matrix comes from a random
+  subset :math:`S` of the points (``sketch`` of them, or that fraction of each term's),
+  drawn anew at every iteration and scaled so that :math:`\mathbb E[J_S^\top J_S] =
+  J^\top J` (rows of term :math:`k` times :math:`\sqrt{M_k/m_k}`), while the gradient
+  :math:`g = J^\top\tilde r` and the gain ratio use every point: the step solves
+  :math:`(J_S^\top J_S + \mu I)\delta = -g`, and the loss it must lower is the true one.
+  ``sketch_params`` also restricts the step to a random subset of the parameters
+  (:math:`\delta = Q z`, :math:`(Q^\top J_S^\top J_S Q + \mu I) z = -Q^\top g`: the
+  "doubly sketched" step, a randomised block of coordinates). The sketch adapts: an
+  iteration whose accepted gain ratio is below 1/4, or that fails, doubles the sketch
+  (up to every point / parameter); one above 3/4 halves it back toward the set size.
+  The Jacobian then costs :math:`m / M` of the full one. (Sketched Gauss–Newton:
+  Gower, Goldfarb & Richtárik, ICML 2019; Gauss–Newton with sketching and adaptive
+  ratio for PINNs in the spirit of DSGNAR, 2026.)
+
 The optimizer takes ``closure`` steps like ``torch.optim.LBFGS`` (``needs_closure``): after
 its ``max_iter`` Gauss–Newton iterations it calls the closure once at the new parameters, so
 the trainer logs the loss and gradient there. At its first step it checks that its objective
@@ -220,6 +235,17 @@ def residual_jacobian(model: torch.nn.Module, terms: Sequence[LeastSquaresTerm],
     return torch.cat(rs), torch.cat(js)
 
 
+def _sketch_size(name: str, value: int | float | None) -> float | None:
+    """A sketch size: ``None``, a fraction in (0, 1) or a count >= 1."""
+    if value is None or value == 0:
+        return None
+    v = float(value)
+    if not (math.isfinite(v) and v > 0) or (v >= 1 and v != int(v)):
+        raise ValueError(f"GaussNewton: {name} must be a fraction in (0, 1) or a whole count "
+                         f">= 1, got {value!r}")
+    return v
+
+
 class GaussNewton(torch.optim.Optimizer):
     """Levenberg–Marquardt on the residual vector of ``terms()`` (see the module docstring).
 
@@ -239,6 +265,10 @@ class GaussNewton(torch.optim.Optimizer):
             chunk holds at most ``2**25`` values (256 MiB in float64).
         check_rtol: relative tolerance of the first-step check that the terms' loss equals
             the closure's (``None``: no check).
+        sketch: points whose Jacobian rows form the curvature at each iteration: a count,
+            or a fraction in (0, 1) of each term's points; ``None`` (or >= all): every point.
+        sketch_params: parameters a step may move (a count or a fraction); ``None``: all.
+        seed: seed of the sketches (iteration ``n`` draws with ``(seed, n)``).
     """
 
     needs_closure = True
@@ -249,7 +279,9 @@ class GaussNewton(torch.optim.Optimizer):
                  max_damping: float = 1e14, dense_max: int = 8000, cg_iters: int = 200,
                  cg_tol: float = 1e-10, chunk_rows: int | None = None,
                  budget: int | float | str | None = None,
-                 check_rtol: float | None = 1e-8):
+                 check_rtol: float | None = 1e-8,
+                 sketch: int | float | None = None,
+                 sketch_params: int | float | None = None, seed: int = 0):
         params = list(params)
         super().__init__(params, {"lr": 1.0})
         if int(max_iter) < 1:
@@ -267,9 +299,12 @@ class GaussNewton(torch.optim.Optimizer):
         self.chunk_rows = None if chunk_rows is None else int(chunk_rows)
         self.budget = None if budget in (None, "") else parse_budget(budget)
         self.check_rtol = check_rtol
+        self.sketch = _sketch_size("sketch", sketch)
+        self.sketch_params = _sketch_size("sketch_params", sketch_params)
+        self.seed = int(seed)
         self._params = params
         st = self.state[params[0]]
-        st.update(mu=0.0, nu=2.0, n_iter=0, rejected=0, failed=0, checked=False)
+        st.update(mu=0.0, nu=2.0, n_iter=0, rejected=0, failed=0, checked=False, ratio=1.0)
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -305,6 +340,41 @@ class GaussNewton(torch.optim.Optimizer):
             g.addmv_(j.T, r)
             L += r.pow(2).sum()
         return A, g, float(L)
+
+    @property
+    def sketching(self) -> bool:
+        return self.sketch is not None or self.sketch_params is not None
+
+    def _generator(self, st: dict) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + int(st["n_iter"]))
+
+    @staticmethod
+    def _count(size: float, n: int, ratio: float) -> int:
+        """Of ``n``, how many a sketch of ``size`` (a count, or a fraction below 1) takes,
+        ``ratio`` times that, at least 1 and at most ``n``."""
+        base = size * n if size < 1 else size
+        return min(max(int(math.ceil(base * ratio)), 1), n)
+
+    def _sketched_normal(self, res: _Residuals, theta: torch.Tensor, rows: int, st: dict,
+                         gen: torch.Generator, cols: torch.Tensor | None):
+        """The sketched curvature ``J_S^T J_S`` (rows scaled by ``sqrt(M_k / m_k)``), on
+        the parameters ``cols`` only when given; the full ``g = J^T r`` and ``L = |r|^2``."""
+        r0 = torch.cat([res.values(k, theta, x).detach() for k, x in res.chunks(rows)])
+        g = self._jtu(res, theta, r0, rows)
+        P = theta.numel() if cols is None else cols.numel()
+        A = theta.new_zeros(P, P)
+        for k, t in enumerate(res.terms):
+            n = int(t.points.shape[0])
+            m = n if self.sketch is None else self._count(self.sketch, n, st["ratio"])
+            pick = (torch.arange(n) if m == n
+                    else torch.randperm(n, generator=gen)[:m]).to(t.points.device)
+            x_all = t.points[pick]
+            for a in range(0, m, rows):
+                _, j = res.jacobian(k, theta, x_all[a:a + rows])
+                if cols is not None:
+                    j = j[:, cols]
+                A.addmm_(j.T, j, alpha=n / m)
+        return A, g, float(r0 @ r0)
 
     def _jv(self, res, theta, v, rows):
         out = []
@@ -369,8 +439,22 @@ class GaussNewton(torch.optim.Optimizer):
                  st: dict) -> torch.Tensor:
         """``max_iter`` damped Gauss–Newton iterations from ``theta``; the new ``theta``."""
         dense = theta.numel() <= self.dense_max
+        st.setdefault("ratio", 1.0)   # restart files from before sketching
+        if self.sketching and not dense:
+            raise ValueError(f"GaussNewton: sketch and sketch_params need the dense normal "
+                             f"equations ({theta.numel()} parameters > dense_max="
+                             f"{self.dense_max}); raise dense_max or drop the sketch")
         for _ in range(self.max_iter):
-            if dense:
+            cols = None
+            if self.sketching:
+                gen = self._generator(st)
+                if self.sketch_params is not None:
+                    q = self._count(self.sketch_params, theta.numel(), st["ratio"])
+                    cols = torch.randperm(theta.numel(), generator=gen)[:q].to(theta.device)
+                A, g_full, L = self._sketched_normal(res, theta, rows, st, gen, cols)
+                g = g_full if cols is None else g_full[cols]
+                diag = A.diagonal()
+            elif dense:
                 A, g, L = self._normal(res, theta, rows)
                 diag = A.diagonal()
             else:
@@ -396,6 +480,8 @@ class GaussNewton(torch.optim.Optimizer):
                         continue
                     delta = torch.cholesky_solve(-g.unsqueeze(1), chol).squeeze(1)
                     pred = -float(2 * (delta @ g) + delta @ (A @ delta))
+                    if cols is not None:
+                        delta = theta.new_zeros(theta.numel()).index_copy_(0, cols, delta)
                 else:
                     def op(v, mu=mu, th=theta):
                         return self._jtu(res, th, self._jv(res, th, v, rows), rows) + mu * v
@@ -410,6 +496,10 @@ class GaussNewton(torch.optim.Optimizer):
                     st["mu"] = max(mu * max(1 / 3, 1 - (2 * rho - 1) ** 3), self.min_damping)
                     st["nu"] = 2.0
                     accepted = True
+                    if self.sketching:   # the sketch's share of a poor model: adapt its size
+                        st["ratio"] = (min(st["ratio"] * 2, 2.0**20) if rho < 0.25
+                                       else max(st["ratio"] / 2, 1.0) if rho > 0.75
+                                       else st["ratio"])
                     break
                 st["rejected"] += 1
                 st["mu"], st["nu"] = min(mu * st["nu"], self.max_damping), st["nu"] * 2
@@ -419,6 +509,10 @@ class GaussNewton(torch.optim.Optimizer):
             if not accepted:
                 st["failed"] += 1
                 st["mu"] = min(st["mu"], self.max_damping)
+                if self.sketching:
+                    st["ratio"] = min(st["ratio"] * 2, 2.0**20)
+                    st["mu"] = 0.0   # a new sketch: damping from its own scale
+                    continue
                 break
         return theta
 

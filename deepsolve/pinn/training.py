@@ -8,7 +8,8 @@ deepsolve.Problem)``). It supplies, from the problem's settings, the hooks the t
   at ``lr``, then L-BFGS with ``lbfgs_iters`` inner iterations and ``lbfgs_history`` pairs),
   ``"adam"`` or ``"lbfgs"`` an :class:`~deepsolve.pinn.AdamLBFGS`; for ``"ssbroyden"``,
   ``"bfgs"`` (``self_scaled``; ``qn_iters`` iterations a step) and ``"gauss_newton"``
-  (``gn_iters``, ``gn_damping``, ``jacobian_budget``; the problem's
+  (``gn_iters``, ``gn_damping``, ``jacobian_budget``, ``gn_sketch``, ``gn_sketch_params``;
+  the problem's
   :meth:`~AdamLBFGSTraining.least_squares_terms`) an :class:`~deepsolve.pinn.AdamWarmup`
   of ``warmup`` Adam steps around :class:`~deepsolve.pinn.SelfScaledBroyden` or
   :class:`~deepsolve.pinn.GaussNewton`. The ``on_step`` hook of both is
@@ -54,6 +55,9 @@ SECOND_ORDER_SETTINGS: dict[str, Any] = {
     "gn_iters": 1,             # Gauss-Newton iterations per trainer iteration
     "gn_damping": 1e-3,        # initial Levenberg-Marquardt damping (relative)
     "jacobian_budget": "",     # e.g. "64MiB": Jacobian chunk size ("" = the run's budget)
+    "gn_sketch": 0.0,          # Gauss-Newton curvature from this many points (a fraction < 1
+                               # or a count; 0 = all): GaussNewton(sketch=...)
+    "gn_sketch_params": 0.0,   # a step moves this many parameters (fraction or count; 0 = all)
     "qn_iters": 20,            # SSBroyden/BFGS iterations per trainer iteration
     "self_scaled": True,       # "bfgs": self-scaled (SSBFGS) or plain BFGS
 }
@@ -164,7 +168,10 @@ class AdamLBFGSTraining:
                 lambda: self.least_squares_terms(ctx, outer[0].steps_taken),
                 max_iter=int(self._setting(ctx, "gn_iters")),
                 damping=float(self._setting(ctx, "gn_damping")),
-                budget=budget or None)
+                budget=budget or None,
+                sketch=float(self._setting(ctx, "gn_sketch")) or None,
+                sketch_params=float(self._setting(ctx, "gn_sketch_params")) or None,
+                seed=int(getattr(cfg, "seed", 0)))
         else:
             second = SelfScaledBroyden(params, method="ssbroyden" if name == "ssbroyden"
                                        else "ssbfgs" if self._setting(ctx, "self_scaled")
