@@ -163,6 +163,7 @@ class PINNProblem(AdamLBFGSTraining, Problem):
 
     def solution(self, ctx: Context, x: torch.Tensor) -> torch.Tensor:
         """The components the reference gives, ``(M, C)``, at points ``x``."""
+        assert ctx.model is not None, "build() creates the model"
         return ctx.model(x).reshape(x.shape[0], -1)
 
     def extra_metrics(self, ctx: Context) -> dict[str, float]:
