@@ -137,3 +137,16 @@ def test_a_reference_of_the_wrong_shape_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"must be \(M, 2\) for 5 points"):
         context(Bad())
+
+
+def test_a_weight_setting_overrides_the_class_weights(tmp_path):
+    System = load(tmp_path)[1]
+
+    class Weighted(System):
+        defaults = {**System.defaults, "weight_bc": 3.5}
+
+    prob = Weighted()
+    assert dict(context(prob).data["weights"])["bc"] == 3.5
+    assert dict(context(prob, ["weight_bc=0"]).data["weights"])["bc"] == 0.0
+    with pytest.raises(ValueError, match="weight of loss term 'bc' must be finite and >= 0"):
+        context(prob, ["weight_bc=-1"])

@@ -27,7 +27,8 @@ override to wrap it in hard constraints or to add unknown coefficients), ``solut
 
 Loss. A term ``k`` with residual :math:`r_k` on its :math:`m_k` points is
 :math:`L_k = \frac1{m_k}\sum_i \|r_k(x_i)\|^2` (the squares of a point's components summed),
-weighted by ``loss_weights[k]`` (default 1): :math:`L = \sum_k w_k L_k`. The same terms, as
+weighted by the setting ``weight_<k>`` if the problem has one, else ``loss_weights[k]``
+(default 1): :math:`L = \sum_k w_k L_k`. The same terms, as
 :class:`~deepsolve.pinn.LeastSquaresTerm` residual vectors, are what Gauss–Newton minimises,
 so both paths see one objective. The ``pde`` points are redrawn by RAD every ``rad_every``
 iterations (:meth:`~deepsolve.pinn.Collocation.redistribute`; Wu et al., CMAME 403, 2023) and
@@ -198,8 +199,18 @@ class PINNProblem(AdamLBFGSTraining, Problem):
                                                params=list(ctx.model.parameters()),
                                                budget=budget)
         names = list(self.equations(ctx)) + list(conds)
-        ctx.data["weights"] = make_weights("fixed", {k: float(self.loss_weights.get(k, 1.0))
+        ctx.data["weights"] = make_weights("fixed", {k: self.loss_weight(cfg, k)
                                                      for k in names})
+
+    def loss_weight(self, cfg, name: str) -> float:
+        """The weight of loss term ``name``: the setting ``weight_<name>`` when the problem
+        has one, else ``loss_weights[name]``, else 1."""
+        value = getattr(cfg, f"weight_{name}", None)
+        w = float(self.loss_weights.get(name, 1.0) if value is None else value)
+        if not (w >= 0 and w < float("inf")):
+            raise ValueError(f"{type(self).__name__}: the weight of loss term {name!r} must "
+                             f"be finite and >= 0, got {w}")
+        return w
 
     def equations(self, ctx: Context) -> tuple[str, ...]:
         """The names of the pde terms (one for a tensor residual: ``pde``)."""
