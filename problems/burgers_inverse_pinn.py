@@ -33,7 +33,7 @@ module, trained with it: ``lambda1`` (:math:`\lambda_1`, initially 0) and ``log_
 initialisation and parametrisation, which keeps :math:`\lambda_2 > 0`). Loss terms:
 
 * ``data`` — mean squared misfit :math:`u_\theta - u` at the ``n_data`` observations,
-  weighted by ``data_weight``;
+  weighted by ``weight_data``;
 * ``pde`` — mean square of :math:`u_t + \lambda_1 u u_x - \lambda_2 u_{xx}` at the points
   ``pde_points`` names: ``"collocation"`` (default) — ``n_collocation`` points of
   :math:`[-1, 1] \times [0, 1]` (``sampling``; redrawn by RAD every ``rad_every``
@@ -70,7 +70,7 @@ import sys
 import numpy as np
 import torch
 
-from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, jet, make_weights
+from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, jet
 from deepsolve.problem import load_problem
 
 NU = 0.01 / math.pi        # the true lambda2 (lambda1 = 1)
@@ -138,7 +138,7 @@ class BurgersInversePINN(PINNProblem):
         "log_lambda2_init": -6.0,
         # data and points
         "n_data": 2000,            # N_u observations (random grid points, seeded by seed)
-        "data_weight": 1.0,        # weight of the data term
+        "weight_data": 1.0,        # weight of the data term
         "pde_points": "collocation",  # "collocation": at n_collocation points (RAD);
                                       # "data": at the observations (Raissi; rad_every=0)
         "n_collocation": 4000,     # residual points (pde_points = "collocation")
@@ -165,9 +165,6 @@ class BurgersInversePINN(PINNProblem):
         self._pde_at_data(cfg)
         ctx.observations = observations(int(cfg.n_data), int(cfg.seed), int(cfg.quad_nodes))
         super().build(ctx)
-        weights = dict(ctx.data["weights"])
-        weights["data"] = float(cfg.data_weight)  # the setting (loss_weights is per class)
-        ctx.data["weights"] = make_weights("fixed", weights)
 
     def sample(self, ctx, n, seed):
         if self._pde_at_data(ctx.cfg):   # Raissi: the residual at the observation points

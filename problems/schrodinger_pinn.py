@@ -67,7 +67,7 @@ true solution smooths it. Loss terms:
   :class:`deepsolve.pinn.PINNProblem`);
 * ``initial`` (soft only) — mean squared misfit of :math:`(u, v)` against
   :math:`(2\,\mathrm{sech}\,x, 0)` at ``n_initial`` equispaced points :math:`x_j = -5 +
-  10j/n` at :math:`t = 0`, weighted by ``initial_weight``.
+  10j/n` at :math:`t = 0`, weighted by ``weight_initial``.
 
 Optimiser: ``optimizer`` of :class:`deepsolve.pinn.PINNProblem` (default SSBroyden, float64;
 ``gauss_newton`` uses the same terms as residual vectors). Measured (3-minute runs, one thread of
@@ -93,7 +93,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, jet, make_weights
+from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, jet
 
 HALF = 5.0              # x in [-HALF, HALF], periodic
 T_END = math.pi / 2
@@ -220,7 +220,7 @@ class SchrodingerPINN(PINNProblem):
         # points
         "n_collocation": 4000,     # interior points of pde_u, pde_v (RAD-redrawn)
         "n_initial": 256,          # equispaced points at t = 0 (soft constraints)
-        "initial_weight": 1.0,     # weight of the initial term
+        "weight_initial": 1.0,     # weight of the initial term
         # reference and evaluation
         "ref_modes": 1024,         # Fourier modes of the reference (a multiple of test_nx)
         "ref_dt": 6e-5,            # its time step (Yoshida split-step)
@@ -237,10 +237,6 @@ class SchrodingerPINN(PINNProblem):
             raise ValueError(f"schrodinger_pinn: derivatives must be 'autograd' or 'func', got "
                              f"{ctx.cfg.derivatives!r}")
         super().build(ctx)
-        weights = dict(ctx.data["weights"])
-        if "initial" in weights:   # the setting (PINNProblem reads the class's loss_weights)
-            weights["initial"] = float(ctx.cfg.initial_weight)
-        ctx.data["weights"] = make_weights("fixed", weights)
 
     def network(self, ctx):
         cfg = ctx.cfg

@@ -145,7 +145,7 @@ def test_unknowns_are_model_parameters_and_metrics_are_their_errors(inv):
 
 def test_residual_points_and_data_term(inv):
     prob, _ = inv
-    ctx = make_ctx(prob, ["data_weight=3.0", "pde_points=data", "rad_every=0"])
+    ctx = make_ctx(prob, ["weight_data=3.0", "pde_points=data", "rad_every=0"])
     obs = torch.as_tensor(ctx.observations)
     assert torch.equal(ctx.data["collocation"].points(0), obs[:, :2])   # Raissi: the data
     assert torch.equal(ctx.data["points_data"], obs)

@@ -148,7 +148,7 @@ def test_model_is_periodic_and_exact_at_t0_when_hard(nls, constraints):
 
 def test_initial_term_and_its_weight(nls):
     prob, _ = nls
-    ctx = make_ctx(prob, ["initial_weight=7.5", "n_initial=40"])
+    ctx = make_ctx(prob, ["weight_initial=7.5", "n_initial=40"])
     pts = ctx.data["points_initial"]
     assert pts.shape == (40, 4) and (pts[:, 1] == 0).all() and (pts[:, 3] == 0).all()
     assert torch.allclose(pts[:, 0], torch.linspace(-5, 5, 41, dtype=torch.float64)[:-1])
