@@ -70,6 +70,7 @@ import sys
 import numpy as np
 import torch
 
+import deepsolve
 from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, jet
 from deepsolve.problem import load_problem
 
@@ -115,7 +116,7 @@ class BurgersInverseNet(torch.nn.Module):
         return self.net(p)
 
 
-class BurgersInversePINN(PINNProblem):
+class BurgersInversePINN(PINNProblem, deepsolve.Problem):
     inputs, outputs = 2, 1
     lo, hi = (-1.0, 0.0), (1.0, 1.0)
     components = ("u",)

@@ -102,6 +102,7 @@ import scipy.sparse.linalg as spla
 import torch
 from torch.func import jacfwd, vmap
 
+import deepsolve
 from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, Rectangle, jet
 
 LIDS = ("parabolic", "uniform")
@@ -263,7 +264,7 @@ def _choice(cfg, key: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-class LidDrivenCavity(PINNProblem):
+class LidDrivenCavity(PINNProblem, deepsolve.Problem):
     inputs, outputs = 2, 3
     lo, hi = (0.0, 0.0), (1.0, 1.0)
     components = ("u", "v")

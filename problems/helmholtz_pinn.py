@@ -81,6 +81,7 @@ import math
 
 import torch
 
+import deepsolve
 from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, Rectangle, jet
 
 
@@ -115,7 +116,7 @@ class HardDirichlet(torch.nn.Module):
         return (1 - x * x) * (1 - y * y) * self.net(p)
 
 
-class HelmholtzPINN(PINNProblem):
+class HelmholtzPINN(PINNProblem, deepsolve.Problem):
     inputs, outputs = 2, 1
     lo, hi = (-1.0, -1.0), (1.0, 1.0)
     components = ("u",)

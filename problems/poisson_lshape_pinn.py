@@ -75,6 +75,7 @@ import scipy.sparse as sp
 import scipy.sparse.linalg as spla
 import torch
 
+import deepsolve
 from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, jet, unit_samples
 
 VARIANTS = ("deepxde", "singular")
@@ -169,7 +170,7 @@ def _choice(cfg, key: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-class PoissonLShape(PINNProblem):
+class PoissonLShape(PINNProblem, deepsolve.Problem):
     inputs, outputs = 2, 1
     lo, hi = (-1.0, -1.0), (1.0, 1.0)
     components = ("u",)

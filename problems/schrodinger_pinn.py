@@ -93,6 +93,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+import deepsolve
 from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, jet
 
 HALF = 5.0              # x in [-HALF, HALF], periodic
@@ -199,7 +200,7 @@ class SchrodingerNet(torch.nn.Module):
         return torch.stack((h0, torch.zeros_like(h0)), -1) + t[..., None] * n
 
 
-class SchrodingerPINN(PINNProblem):
+class SchrodingerPINN(PINNProblem, deepsolve.Problem):
     inputs, outputs = 2, 2
     lo, hi = (-HALF, 0.0), (HALF, T_END)
     components = ("h", "u", "v")

@@ -83,6 +83,7 @@ import math
 
 import torch
 
+import deepsolve
 from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, Rectangle, jet
 
 CONSTRAINTS = ("full", "hard", "soft")
@@ -122,7 +123,7 @@ class WaveAnsatz(torch.nn.Module):
         return initial_condition(x) + x * (1 - x) * t ** self.power * self.net(p)
 
 
-class WavePINN(PINNProblem):
+class WavePINN(PINNProblem, deepsolve.Problem):
     inputs, outputs = 2, 1
     lo, hi = (0.0, 0.0), (1.0, 1.0)   # (x, t)
     components = ("u",)

@@ -26,12 +26,13 @@ import math
 
 import torch
 
+import deepsolve
 from deepsolve.pinn import PINN_SETTINGS, PINNProblem, jet
 
 F64 = torch.float64
 
 
-class System(PINNProblem):
+class System(PINNProblem, deepsolve.Problem):
     inputs, outputs, lo, hi = 1, 2, (0.0,), (1.0,)
     components = ("u", "v")
     loss_weights = {"bc": 10.0, "flux": 2.0}

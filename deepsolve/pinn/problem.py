@@ -1,6 +1,9 @@
 r"""A PINN problem stated by its physics alone: :class:`PINNProblem`.
 
-A problem file subclasses :class:`PINNProblem` and supplies four things; the class turns them
+A problem file's class derives from :class:`PINNProblem` and :class:`deepsolve.Problem`
+(``class MyPINN(PINNProblem, deepsolve.Problem)``: a mixin, like
+:class:`~deepsolve.pinn.AdamLBFGSTraining`, so ``deepsolve.pinn`` stays below the problem
+layer) and supplies four things; the class turns them
 into the hooks the trainer calls (``build``, ``residuals``, ``evaluate``, the optimisers of
 :class:`~deepsolve.pinn.AdamLBFGSTraining` and, for Gauss–Newton, ``least_squares_terms``):
 
@@ -49,7 +52,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..problem import Context, Problem
 from .chunked import ChunkedResidual
 from .gauss_newton import LeastSquaresTerm
 from .networks import FNN
@@ -110,8 +112,9 @@ PINN_SETTINGS: dict[str, Any] = {
 ``defaults`` is ``{**PINN_SETTINGS, ...its own...}``."""
 
 
-class PINNProblem(AdamLBFGSTraining, Problem):
-    """Base class of a PINN problem file (module docstring).
+class PINNProblem(AdamLBFGSTraining):
+    """Mixin of a PINN problem file's class, before :class:`deepsolve.Problem` (module
+    docstring).
 
     Class attributes:
         inputs, outputs: the network's input and output sizes.
@@ -140,34 +143,34 @@ class PINNProblem(AdamLBFGSTraining, Problem):
 
         return Box(self.lo, self.hi)
 
-    def sample(self, ctx: Context, n: int, seed: int) -> torch.Tensor:
+    def sample(self, ctx: Any, n: int, seed: int) -> torch.Tensor:
         """``n`` interior points ``(n, inputs)`` (default: ``domain`` by ``sampling``)."""
         return self.domain(ctx.cfg).sample_interior(n, str(ctx.cfg.sampling), seed,
                                                     ctx.dtype, ctx.device)
 
-    def pde(self, ctx: Context, x: torch.Tensor, backend: str
+    def pde(self, ctx: Any, x: torch.Tensor, backend: str
             ) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__}.pde(ctx, x, backend) must return "
                                   "the equations' residuals at x")
 
-    def conditions(self, ctx: Context) -> dict[str, Condition]:
+    def conditions(self, ctx: Any) -> dict[str, Condition]:
         return {}
 
-    def reference(self, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+    def reference(self, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(f"{type(self).__name__}.reference(ctx) must return the "
                                   "test points and the reference solution there")
 
-    def network(self, ctx: Context) -> torch.nn.Module:
+    def network(self, ctx: Any) -> torch.nn.Module:
         cfg = ctx.cfg
         return FNN(self.inputs, self.outputs, int(cfg.width), int(cfg.depth),
                    str(cfg.activation), lo=self.lo, hi=self.hi, scalar=self.outputs == 1)
 
-    def solution(self, ctx: Context, x: torch.Tensor) -> torch.Tensor:
+    def solution(self, ctx: Any, x: torch.Tensor) -> torch.Tensor:
         """The components the reference gives, ``(M, C)``, at points ``x``."""
         assert ctx.model is not None, "build() creates the model"
         return ctx.model(x).reshape(x.shape[0], -1)
 
-    def extra_metrics(self, ctx: Context) -> dict[str, float]:
+    def extra_metrics(self, ctx: Any) -> dict[str, float]:
         return {}
 
     # ---- the trainer's hooks -------------------------------------------------------------
@@ -176,7 +179,7 @@ class PINNProblem(AdamLBFGSTraining, Problem):
     def target_metric(self) -> str:  # what --set target=LEVEL names
         return f"{self.components[0]}_rel_l2" if len(self.components) == 1 else "max_rel_l2"
 
-    def build(self, ctx: Context) -> None:
+    def build(self, ctx: Any) -> None:
         cfg = ctx.cfg
         ctx.model = self.network(ctx).to(device=ctx.device, dtype=ctx.dtype)
         coll = Collocation(lambda n, s: self.sample(ctx, n, s), int(cfg.n_collocation),
@@ -212,19 +215,19 @@ class PINNProblem(AdamLBFGSTraining, Problem):
                              f"be finite and >= 0, got {w}")
         return w
 
-    def equations(self, ctx: Context) -> tuple[str, ...]:
+    def equations(self, ctx: Any) -> tuple[str, ...]:
         """The names of the pde terms (one for a tensor residual: ``pde``)."""
         with torch.enable_grad():
             r = self.pde(ctx, ctx.data["test"][:2], str(ctx.cfg.derivatives))
         return tuple(r) if isinstance(r, Mapping) else ("pde",)
 
-    def _pde_fn(self, ctx: Context, backend: str):
+    def _pde_fn(self, ctx: Any, backend: str):
         def fn(x):
             return self.pde(ctx, x, backend)
 
         return _weighted(fn) if str(ctx.cfg.attention) else fn
 
-    def _points(self, ctx: Context, iteration: int) -> torch.Tensor:
+    def _points(self, ctx: Any, iteration: int) -> torch.Tensor:
         cfg, coll = ctx.cfg, ctx.data["collocation"]
         every = int(cfg.rad_every)
         if every > 0 and iteration > 0 and iteration % every == 0:
@@ -235,7 +238,7 @@ class PINNProblem(AdamLBFGSTraining, Problem):
         return self.attend(ctx, iteration, x,
                            lambda p: _stacked(self.pde(ctx, p, str(cfg.derivatives))))
 
-    def residuals(self, ctx: Context, iteration: int) -> dict[str, torch.Tensor]:
+    def residuals(self, ctx: Any, iteration: int) -> dict[str, torch.Tensor]:
         d = ctx.data
         out = d["residual"](self._points(ctx, iteration))
         terms = dict(out) if isinstance(out, Mapping) else {"pde": out}
@@ -244,7 +247,7 @@ class PINNProblem(AdamLBFGSTraining, Problem):
             terms[name] = r.pow(2).reshape(r.shape[0], -1).sum(1).mean()
         return terms
 
-    def least_squares_terms(self, ctx: Context, iteration: int) -> list[LeastSquaresTerm]:
+    def least_squares_terms(self, ctx: Any, iteration: int) -> list[LeastSquaresTerm]:
         """The loss as residual vectors (Gauss–Newton): the equations stacked as the
         components of one term at the collocation points, one term per condition."""
         d, w = ctx.data, ctx.data["weights"]
@@ -257,7 +260,7 @@ class PINNProblem(AdamLBFGSTraining, Problem):
             terms.append(LeastSquaresTerm(fn, d[f"points_{name}"], float(w.get(name, 1.0))))
         return terms
 
-    def evaluate(self, ctx: Context) -> dict[str, float]:
+    def evaluate(self, ctx: Any) -> dict[str, float]:
         d = ctx.data
         exact = d["test_exact"]
         pred = self.solution(ctx, d["test"]).reshape(exact.shape)
