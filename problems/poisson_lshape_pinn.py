@@ -46,13 +46,16 @@ A ``tanh`` :class:`~deepsolve.pinn.FNN` :math:`N(x, y)` (``depth`` × ``width``)
   the solution goes like :math:`r^{2/3}`, and a 2.5-minute trial (one thread, 3×30) ended at
   ``u_rel_l2`` 6.7e-2 against 8.5e-3 for ``"soft"`` after 2 minutes.
 
-RAD is off by default (``rad_every = 0``): with it the soft run stood at 1.1e-2 after 2
-minutes, without it at 8.5e-3 (one thread, 3×30, 2000 points, SSBroyden).
+The points are redrawn *uniformly* every 25 iterations (``rad_every = 25``, ``rad_k = 0``).
+With a fixed set the defaults' best error was 9.7e-4 after 4 minutes, and it rose to 1.4e-3 by
+15 minutes as SSBroyden fitted the points; redrawn uniformly, 7.6e-4 at 13 minutes and 8.4e-4
+at the end (one thread each, 2026-12-06, beside another run). Residual-weighted RAD
+(``rad_k = 1``) stood at 1.1e-2 after 2 minutes in a trial, against 8.5e-3 without it.
 
 Interior points (``n_collocation``): :meth:`PoissonLShape.sample` draws from the bounding
 box by ``sampling`` and keeps the points in :math:`\Omega` (rejecting
-:math:`x > 0, y > 0`), drawing again with derived seeds until it has ``n``; RAD
-(``rad_every``) redraws them from the residual over a pool drawn the same way.
+:math:`x > 0, y > 0`), drawing again with derived seeds until it has ``n``; a
+redraw (``rad_every``) takes them from a pool drawn the same way.
 
 Metrics
 -------
@@ -191,7 +194,8 @@ class PoissonLShape(PINNProblem, deepsolve.Problem):
         # points
         "n_collocation": 2000,    # interior points of the pde term (in the L-shape)
         "n_boundary": 400,        # edge points of the term bc (constraints = "soft")
-        "rad_every": 0,           # RAD off: no better in the trial runs (module docstring)
+        "rad_every": 25,          # redraw the points every 25 iterations ...
+        "rad_k": 0.0,             # ... uniformly (module docstring)
         # reference
         "ref_n": 128,             # reference grid: 1/ref_n spacing (extrapolated with 2·ref_n)
     }
