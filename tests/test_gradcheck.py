@@ -232,6 +232,15 @@ SHIPPED = {
                          "snapshots=3"],
     "allen_cahn_pinn.py": ["n_slices=4", "n_per_slice=32", "width=8", "depth=2",
                            "ref_modes=64", "test_nx=16", "test_nt=11", "ref_dt=0.01"],
+    "helmholtz_pinn.py": ["n_collocation=64", "width=8", "depth=2", "test_n=11"],
+    "wave_pinn.py": ["n_collocation=64", "n_initial=30", "width=8", "depth=2", "test_n=11"],
+    "schrodinger_pinn.py": ["n_collocation=64", "n_initial=32", "width=8", "depth=2",
+                            "ref_modes=256", "ref_dt=1e-3"],
+    "burgers_inverse_pinn.py": ["n_data=200", "n_collocation=64", "width=8", "depth=2",
+                                "quad_nodes=60"],
+    "cavity_pinn.py": ["n_collocation=64", "width=6", "depth=2", "ref_n=16"],
+    "poisson_lshape_pinn.py": ["n_collocation=64", "n_boundary=48", "width=6", "depth=2",
+                               "ref_n=8"],
 }
 
 
