@@ -71,7 +71,7 @@ import numpy as np
 import torch
 
 import deepsolve
-from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, jet
+from deepsolve.pinn import PINN_SETTINGS, PINNProblem, Published, jet
 from deepsolve.problem import load_problem
 
 NU = 0.01 / math.pi        # the true lambda2 (lambda1 = 1)
@@ -174,8 +174,7 @@ class BurgersInversePINN(PINNProblem, deepsolve.Problem):
 
     def network(self, ctx):
         cfg = ctx.cfg
-        net = FNN(2, 1, int(cfg.width), int(cfg.depth), str(cfg.activation), lo=self.lo,
-                  hi=self.hi, scalar=True)
+        net = super().network(ctx)   # the tanh FNN of width x depth on the box lo, hi
         return BurgersInverseNet(net, float(cfg.lambda1_init), float(cfg.log_lambda2_init))
 
     def pde(self, ctx, x, backend):

@@ -260,13 +260,6 @@ class StreamFunction(torch.nn.Module):
         return self._point(p) if p.dim() == 1 else vmap(self._point)(p)
 
 
-def _choice(cfg, key: str, allowed: tuple[str, ...]) -> str:
-    value = str(getattr(cfg, key))
-    if value not in allowed:
-        raise ValueError(f"cavity_pinn: {key} must be one of {allowed}, got {value!r}")
-    return value
-
-
 class LidDrivenCavity(PINNProblem, deepsolve.Problem):
     inputs, outputs = 2, 3
     lo, hi = (0.0, 0.0), (1.0, 1.0)
@@ -297,9 +290,9 @@ class LidDrivenCavity(PINNProblem, deepsolve.Problem):
 
     # ---- settings -----------------------------------------------------------------------
     def _setup(self, cfg) -> tuple[str, str, bool]:
-        lid = _choice(cfg, "lid", LIDS)
-        form = _choice(cfg, "formulation", FORMULATIONS)
-        hard = _choice(cfg, "constraints", ("hard", "soft")) == "hard"
+        lid = self.choice(cfg, "lid", LIDS)
+        form = self.choice(cfg, "formulation", FORMULATIONS)
+        hard = self.choice(cfg, "constraints", ("hard", "soft")) == "hard"
         if hard and (lid != "parabolic" or form != "velocity"):
             raise ValueError("cavity_pinn: constraints = 'hard' needs lid = 'parabolic' and "
                              "formulation = 'velocity'; use constraints = 'soft'")

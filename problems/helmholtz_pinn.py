@@ -82,7 +82,7 @@ import math
 import torch
 
 import deepsolve
-from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, Rectangle, jet
+from deepsolve.pinn import PINN_SETTINGS, PINNProblem, Published, jet
 
 
 def exact(p: torch.Tensor, a1: float = 1.0, a2: float = 4.0) -> torch.Tensor:
@@ -156,13 +156,9 @@ class HelmholtzPINN(PINNProblem, deepsolve.Problem):
         "test_n": 100,             # test grid test_n x test_n (Wang et al.: 100 x 100)
     }
 
-    def domain(self, cfg):
-        return Rectangle(self.lo, self.hi)
-
     def network(self, ctx):
         cfg = ctx.cfg
-        net = FNN(2, 1, int(cfg.width), int(cfg.depth), str(cfg.activation), lo=self.lo,
-                  hi=self.hi, scalar=True)
+        net = super().network(ctx)   # the tanh FNN of width x depth on the box lo, hi
         return HardDirichlet(net) if _hard(cfg) else net
 
     def pde(self, ctx, x, backend):

@@ -79,7 +79,7 @@ import scipy.sparse.linalg as spla
 import torch
 
 import deepsolve
-from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, jet, unit_samples
+from deepsolve.pinn import PINN_SETTINGS, PINNProblem, Published, jet, unit_samples
 
 VARIANTS = ("deepxde", "singular")
 # the six edges, counter-clockwise from the corner: (start, end)
@@ -166,13 +166,6 @@ class HardLShape(torch.nn.Module):
         return (1 - x * x) * (1 - y * y) * (r - x - y) * self.net(p)
 
 
-def _choice(cfg, key: str, allowed: tuple[str, ...]) -> str:
-    value = str(getattr(cfg, key))
-    if value not in allowed:
-        raise ValueError(f"poisson_lshape_pinn: {key} must be one of {allowed}, got {value!r}")
-    return value
-
-
 class PoissonLShape(PINNProblem, deepsolve.Problem):
     inputs, outputs = 2, 1
     lo, hi = (-1.0, -1.0), (1.0, 1.0)
@@ -201,8 +194,8 @@ class PoissonLShape(PINNProblem, deepsolve.Problem):
     }
 
     def _setup(self, cfg) -> tuple[str, bool]:
-        variant = _choice(cfg, "variant", VARIANTS)
-        hard = _choice(cfg, "constraints", ("hard", "soft")) == "hard"
+        variant = self.choice(cfg, "variant", VARIANTS)
+        hard = self.choice(cfg, "constraints", ("hard", "soft")) == "hard"
         if hard and variant != "deepxde":
             raise ValueError("poisson_lshape_pinn: constraints = 'hard' needs variant = "
                              "'deepxde' (zero boundary values); use constraints = 'soft'")
@@ -240,8 +233,7 @@ class PoissonLShape(PINNProblem, deepsolve.Problem):
     def network(self, ctx):
         cfg = ctx.cfg
         _, hard = self._setup(cfg)
-        net = FNN(2, 1, int(cfg.width), int(cfg.depth), str(cfg.activation), lo=self.lo,
-                  hi=self.hi, scalar=True)
+        net = super().network(ctx)   # the tanh FNN of width x depth on the box lo, hi
         return HardLShape(net) if hard else net
 
     # ---- physics ------------------------------------------------------------------------

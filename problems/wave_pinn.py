@@ -84,7 +84,7 @@ import math
 import torch
 
 import deepsolve
-from deepsolve.pinn import FNN, PINN_SETTINGS, PINNProblem, Published, Rectangle, jet
+from deepsolve.pinn import PINN_SETTINGS, PINNProblem, Published, jet
 
 CONSTRAINTS = ("full", "hard", "soft")
 
@@ -159,13 +159,9 @@ class WavePINN(PINNProblem, deepsolve.Problem):
         "test_n": 200,             # test grid test_n x test_n (Wang et al.: 200 x 200)
     }
 
-    def domain(self, cfg):
-        return Rectangle(self.lo, self.hi)
-
     def network(self, ctx):
         cfg = ctx.cfg
-        net = FNN(2, 1, int(cfg.width), int(cfg.depth), str(cfg.activation), lo=self.lo,
-                  hi=self.hi, scalar=True)
+        net = super().network(ctx)   # the tanh FNN of width x depth on the box lo, hi
         kind = _constraints(cfg)
         return net if kind == "soft" else WaveAnsatz(net, 2 if kind == "full" else 1)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deepsolve.io.h5log import read_log
+from deepsolve.pinn import FNN
 from deepsolve.problem import Context, apply_overrides, load_problem
 from deepsolve.train import train
 
@@ -103,7 +104,7 @@ def test_interior_and_boundary_points(mod):
 def test_hard_ansatz_vanishes_on_all_six_edges(mod):
     m = mod[1]
     torch.manual_seed(1)
-    net = m.FNN(2, 1, 8, 2, lo=(-1.0, -1.0), hi=(1.0, 1.0), scalar=True).double()
+    net = FNN(2, 1, 8, 2, lo=(-1.0, -1.0), hi=(1.0, 1.0), scalar=True).double()
     with torch.no_grad():
         for p in net.parameters():
             p.normal_()

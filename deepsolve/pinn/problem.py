@@ -173,6 +173,14 @@ class PINNProblem(AdamLBFGSTraining):
     def extra_metrics(self, ctx: Any) -> dict[str, float]:
         return {}
 
+    def choice(self, cfg, key: str, allowed: tuple[str, ...]) -> str:
+        """The setting ``key``, refused in one line unless it is one of ``allowed``."""
+        value = str(getattr(cfg, key))
+        if value not in allowed:
+            raise ValueError(f"{type(self).__name__}: {key} must be one of {allowed}, got "
+                             f"{value!r}")
+        return value
+
     # ---- the trainer's hooks -------------------------------------------------------------
 
     @property
