@@ -26,11 +26,12 @@ dealiasing), :math:`\hat u_t = L\hat u + \widehat{N(u)}` with
 J. Comput. Phys. 176, 2002) with the coefficients evaluated by contour integrals (Kassam &
 Trefethen, SIAM J. Sci. Comput. 26(4), 2005: 64 points on circles of radius 1 around each
 :math:`hL`), step ``ref_dt`` (shortened so that it divides every output interval), float64.
-The defaults, 2048 modes and :math:`h = 10^{-3}`, take about 1 s. On the 512 × 201
-evaluation grid they differ from 4096 modes by 9.6e-5 at most (relative L2 7e-7), from 1024
-modes by 3.2e-4 — all of it at the kink :math:`x = \pm 1` in the first output times, where
-the Fourier coefficients of :math:`u_0` decay only like :math:`k^{-2}`; from :math:`t = 0.05`
-on, 2048 and 4096 modes agree to 1.8e-5. Halving :math:`h` changes the result by 2e-10.
+The defaults, 8192 modes and :math:`h = 10^{-3}`, take about 0.6 s. On the 512 × 201
+evaluation grid they differ from 16384 modes by 5.7e-6 at most (relative L2 4.3e-8; 2048
+modes: 1.2e-4 and 8.7e-7) — all of it at the kink :math:`x = \pm 1` in the first output
+times, where the Fourier coefficients of :math:`u_0` decay only like :math:`k^{-2}`; from
+:math:`t = 0.05` on, 8192 and 16384 modes agree to 1.1e-6. Halving :math:`h` changes the
+result by 1e-11 (relative).
 The tests check the PDE residual (central differences in time, spectral
 :math:`u_{xx}`: 4e-6 of the largest term) and the convergence. No file is downloaded.
 
@@ -40,16 +41,29 @@ Model and loss
 ``width``) on the Fourier features :math:`(\cos k\pi x, \sin k\pi x)_{k=1..K}` (``harmonics``
 :math:`K`) and :math:`t`, so every network is exactly 2-periodic in :math:`x`, with all its
 derivatives (the periodic boundary condition needs no loss term). ``constraints = "hard"``
-imposes the initial condition exactly, :math:`u = u_0(x) + t\,N(x, t)`: causal
-training fits the residual slice by slice from :math:`t = 0`, which only means something when
-:math:`u(\cdot, 0)` is right, and a hard condition needs no initial-condition weight to
-balance against the residual. :math:`u_0` itself is periodic in value
-(:math:`u_0(\pm 1) = -1`), so the ansatz stays periodic; its derivative kink at
-:math:`x = \pm 1` is that of the true solution at :math:`t = 0`, but it persists for
-:math:`t > 0` where the true one fades (a smooth :math:`N` cannot cancel it): in the measured
-run the error there was about 6e-3 up to :math:`t = 0.6`, the largest at those times.
-``constraints = "soft"`` (the default) uses :math:`u = N` and adds the term ``initial``: the
-network is then free to smooth the kink for :math:`t > 0` as the true solution does.
+(the default) imposes the initial condition exactly, :math:`u = u_0(x) + t\,N(x, t)`:
+causal training fits the residual slice by slice from :math:`t = 0`, which only means
+something when :math:`u(\cdot, 0)` is right, and a hard condition needs no initial-condition
+weight to balance against the residual. ``constraints = "soft"`` uses :math:`u = N` and adds
+the term ``initial``.
+
+The kink ansatz (``kink``, on by default). :math:`u_0` is periodic in value
+(:math:`u_0(\pm 1) = -1`) but not in slope: near :math:`x = \pm 1`,
+:math:`u_0 = -1 + 2|y| + O(y^2)` at the distance :math:`|y|` from the kink. For
+:math:`t > 0` diffusion rounds it into a layer of width :math:`\sim\sqrt{dt}` (7e-4 at
+:math:`t = 0.005`) that a smooth network cannot follow: without the ansatz 94 % of the
+squared error of a 15-minute run sat at :math:`|x| > 0.9`, 88 % before :math:`t = 0.05`
+(``u_max_error`` 2.7e-3 there). Linearised about the stable state :math:`u = -1` the
+equation is :math:`v_t = d v_{xx} - 10 v`, which the kink obeys as
+:math:`2 e^{-10t}\,G(|y|, t)` with :math:`G(s, t) = s\,\mathrm{erf}(s/2\sqrt{dt}) +
+2\sqrt{dt/\pi}\,e^{-s^2/4dt}`, the heat flow of :math:`|s|` (:func:`smoothed_kink`). The
+model adds :math:`K(x, t) = 2 e^{-10t}\chi(x)\,G(1 - |x|, t)` with
+:math:`\chi = \sin^4(\pi x/2)` (1 at :math:`\pm 1`, vanishing to fourth order at 0, so
+:math:`K` has no other kink) — :func:`kink_layer` —: :math:`u = u_0 - K(x, 0) + t N + K(x,
+t)` (hard) or :math:`N + K` (soft). What :math:`N` fits is then smooth: the second
+differences of the reference minus :math:`K` near :math:`\pm 1` are 15 at
+:math:`t = 0.005` against 1500 for the reference (tested). The nonlinear remainder
+(:math:`15\,(u^2 - 1) K`, :math:`15 K^2`) is small and left to :math:`N`.
 
 Loss terms:
 
@@ -99,12 +113,14 @@ Metrics (``evaluate``)
 unweighted mean residual square) of the last loss evaluation. The published anchors: a
 relative L2 error of 5.37e-5 with JAX-PI (Wang, Sankaran, Wang & Perdikaris 2023, arXiv
 2308.08468) and 2.24e-5 with PirateNets (Wang, Li, Chen & Perdikaris 2024, arXiv
-2402.00326), both after long GPU training. The SSBroyden defaults reached ``u_rel_l2``
-below 1e-4 after 3.3 minutes, below 5.37e-5 after 3.9 and 1.9e-5 at best (14 minutes) on the
-project's 2-core CPU (two threads); the earlier Adam → L-BFGS defaults (4×64, three
-harmonics, hard initial condition) reached 2.3e-3 in 23 minutes (``u_max_error`` 3.3e-2, near
-:math:`x = 0` at :math:`t = 1`, where :math:`u \approx 0` is unstable and residual errors
-grow like :math:`e^{5t}`). docs/pinn.md lists the measurements.
+2402.00326), both after long GPU training, and 2.1e-6 with vRBA and SSBroyden (Toscano et
+al. 2025, GPU). The defaults (hard initial condition, kink ansatz, SSBroyden) reached
+``u_rel_l2`` below 2e-6 after 8.1 minutes and 5.0e-7 at best within 15 minutes on the
+project's 2-core CPU (one thread, two runs at a time); without the kink ansatz (soft initial
+condition) the error stopped at 2e-5, and the earlier Adam → L-BFGS defaults (4×64, three
+harmonics) reached 2.3e-3 in 23 minutes (``u_max_error`` 3.3e-2, near :math:`x = 0` at
+:math:`t = 1`, where :math:`u \approx 0` is unstable and residual errors grow like
+:math:`e^{5t}`). docs/pinn.md lists the measurements.
 """
 
 from __future__ import annotations
@@ -228,18 +244,54 @@ def _eps_list(cfg) -> list[float]:
                          f"{raw!r}") from None
 
 
+KINK_SLOPE = 2.0   # -u0'(1): u0 = -1 + 2|y| + O(y^2) at the distance |y| from x = ±1
+
+
+def smoothed_kink(s: torch.Tensor, t: torch.Tensor, d: float = D) -> torch.Tensor:
+    r""":math:`G(s, t) = s\,\mathrm{erf}\big(s / 2\sqrt{dt}\big)
+    + 2\sqrt{dt/\pi}\;e^{-s^2/4dt}`, the heat kernel's smoothing of :math:`|s|` over a time
+    :math:`t`: :math:`G_t = d\,G_{ss}`, :math:`G(s, 0) = |s|`, smooth in :math:`s` for
+    :math:`t > 0` with :math:`G_s(0, t) = 0` and :math:`G - |s|` confined to
+    :math:`|s| \lesssim 10\sqrt{dt}`. Tensors of one shape; ``t >= 0`` (``t = 0`` gives
+    :math:`|s|`, its ``t``-derivative there is not used)."""
+    # 2 sqrt(d t) > 0: at t = 0, s / w and the powers of 1 / w in the derivatives stay
+    # finite (G then differs from |s| by w / sqrt(pi): 1e-17 in float64, 1e-8 in float32)
+    w = 2.0 * torch.sqrt(d * t.clamp_min(1e-30 if t.dtype == torch.float64 else 1e-12))
+    return s * torch.special.erf(s / w) + w / math.sqrt(math.pi) * torch.exp(-(s / w) ** 2)
+
+
+def kink_layer(x: torch.Tensor, t: torch.Tensor | None, d: float = D,
+               r: float = R) -> torch.Tensor:
+    r"""The kink of :math:`u_0` at :math:`x = \pm 1` and its boundary layer,
+    :math:`K(x, t) = 2\,e^{-2rt}\,\chi(x)\,G(1 - |x|, t)` with
+    :math:`\chi(x) = \sin^4(\pi x / 2)` (:func:`smoothed_kink`; module docstring, "The kink
+    ansatz"). 2-periodic in :math:`x`, smooth for :math:`t > 0`; at :math:`t = 0` it is
+    :math:`2\chi(x)(1 - |x|)`, which has the kink of :math:`u_0` (:math:`u_0 + 1 \approx
+    2|y|` at the distance :math:`|y|` from :math:`\pm 1`) and no other (:math:`\chi` vanishes
+    to fourth order at :math:`x = 0`); ``t = None`` gives that, exactly."""
+    chi = torch.sin(0.5 * math.pi * x) ** 4
+    if t is None:
+        return KINK_SLOPE * chi * (1.0 - x.abs())
+    return KINK_SLOPE * torch.exp(-2.0 * r * t) * chi * smoothed_kink(1.0 - x.abs(), t, d)
+
+
 class AllenCahnNet(torch.nn.Module):
     r""":math:`u(x, t) = u_0(x) + t\,N(\varphi(x), t)` (``hard``) or :math:`N(\varphi(x), t)`,
     :math:`\varphi(x) = (\cos k\pi x, \sin k\pi x)_{k=1..K}`: 2-periodic in :math:`x` for any
-    network :math:`N` (``net``, ``2K + 1`` inputs, scalar output). Points ``(..., 2)`` of
-    ``(x, t)`` to ``(...)``."""
+    network :math:`N` (``net``, ``2K + 1`` inputs, scalar output). With ``kink`` the model
+    adds :func:`kink_layer` :math:`K(x, t)`: :math:`N + K` (soft) or
+    :math:`u_0 - K(x, 0) + t N + K(x, t)` (hard, still :math:`u_0` at :math:`t = 0`), so the
+    network only fits what is smooth. Points ``(..., 2)`` of ``(x, t)`` to ``(...)``."""
 
-    def __init__(self, net: torch.nn.Module, harmonics: int = 1, hard: bool = True):
+    def __init__(self, net: torch.nn.Module, harmonics: int = 1, hard: bool = True,
+                 kink: bool = False, d: float = D, r: float = R):
         super().__init__()
         if int(harmonics) < 1:
             raise ValueError(f"allen_cahn_pinn: harmonics must be >= 1, got {harmonics}")
         self.net = net
         self.hard = bool(hard)
+        self.kink = bool(kink)
+        self.d, self.r = float(d), float(r)
         # float64, so that sin(k pi x) at x = -1 and 1 agree to round-off
         self.register_buffer("freq", math.pi * torch.arange(1, int(harmonics) + 1,
                                                             dtype=torch.float64))
@@ -247,8 +299,14 @@ class AllenCahnNet(torch.nn.Module):
     def forward(self, p: torch.Tensor) -> torch.Tensor:
         x, t = p[..., 0], p[..., 1]
         kx = x[..., None] * self.freq
-        n = self.net(torch.cat((torch.cos(kx), torch.sin(kx), t[..., None]), -1))
-        return initial_condition(x) + t * n if self.hard else n
+        u = self.net(torch.cat((torch.cos(kx), torch.sin(kx), t[..., None]), -1))
+        if self.hard:
+            u = initial_condition(x) + t * u
+            if self.kink:
+                u = u - kink_layer(x, None)
+        if self.kink:
+            u = u + kink_layer(x, t, self.d, self.r)
+        return u
 
 
 class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
@@ -264,7 +322,7 @@ class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
     )
     defaults = {
         # trainer
-        "iterations": 700,         # total trainer iterations (warm-up + second-order steps)
+        "iterations": 2000,        # total trainer iterations (warm-up + second-order steps)
         "time_limit": 15.0,        # minutes: whichever of the two comes first ends the run
         "lr": 1e-3,                # Adam learning rate
         "lr_decay": 0.9,           # Adam learning rate × lr_decay every lr_decay_every steps
@@ -290,7 +348,9 @@ class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
         "width": 30,
         "depth": 3,
         "harmonics": 1,            # Fourier features cos(k pi x), sin(k pi x), k = 1..K
-        "constraints": "soft",     # "soft": an initial loss term; "hard": u = u0 + t N
+        "kink": True,              # add the kink of u0 at x = ±1 and its heat layer (K(x, t))
+        "constraints": "hard",     # "hard": u = u0 + t N (+ the kink terms); "soft": an
+                                   # initial loss term
         "derivatives": "autograd",  # "autograd" or "func" (torch.func)
         # causal training
         "n_slices": 32,            # M time slices
@@ -307,7 +367,7 @@ class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
         "anneal_alpha": 0.9,
         "anneal_every": 100,
         # reference and evaluation
-        "ref_modes": 2048,
+        "ref_modes": 8192,
         "ref_dt": 1e-3,
         "test_nx": 512,
         "test_nt": 201,
@@ -358,7 +418,8 @@ class AllenCahnPINN(AdamLBFGSTraining, deepsolve.Problem):
         k = int(cfg.harmonics)
         net = FNN(2 * k + 1, 1, int(cfg.width), int(cfg.depth), lo=(-1.0,) * (2 * k) + (0.0,),
                   hi=(1.0,) * (2 * k) + (1.0,), scalar=True)
-        ctx.model = AllenCahnNet(net, k, hard).to(device=device, dtype=dtype)
+        ctx.model = AllenCahnNet(net, k, hard, bool(cfg.kink), float(cfg.d)).to(
+            device=device, dtype=dtype)
         weights = make_weights(str(cfg.weighting),
                                {"pde": 1.0, "initial": float(cfg.initial_weight)}
                                if not hard else {"pde": 1.0}, reference=("pde",),

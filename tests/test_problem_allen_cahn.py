@@ -101,14 +101,81 @@ def test_reference_initial_condition_and_convergence(ac, default_reference):
         mod.allen_cahn_reference([0.5, 0.1], n_modes=16)
 
 
+# ----------------------------------------------------------------------------- kink ansatz
+
+
+def test_smoothed_kink_is_the_heat_flow_of_abs(ac):
+    """G(s, t) equals |.| convolved with the heat kernel of variance 2dt (quadrature), solves
+    G_t = d G_ss (autograd), and is |s| at t = 0."""
+    _, mod = ac
+    d = mod.D
+    for t in (1e-3, 0.05, 0.8):
+        w = math.sqrt(4 * d * t)
+        y = np.linspace(-12 * w, 12 * w, 20001)
+        kernel = np.exp(-(y / w) ** 2) / (math.sqrt(math.pi) * w)
+        s = np.array([-0.3, -2 * w, -w / 3, 0.0, w / 5, w, 3 * w, 0.7])
+        quad = np.array([np.trapezoid(np.abs(si - y) * kernel, y) for si in s])
+        got = mod.smoothed_kink(torch.tensor(s), torch.full((s.size,), t, dtype=torch.float64),
+                                d).numpy()
+        np.testing.assert_allclose(got, quad, rtol=0, atol=1e-6 * w)  # the kink in |s - y|
+        assert abs(got[3] - np.abs(s[3])) > 0.5 * w                   # rounded at s = 0
+    s = torch.linspace(-0.05, 0.05, 201, dtype=torch.float64, requires_grad=True)
+    t = torch.linspace(1e-3, 0.5, 201, dtype=torch.float64).requires_grad_()
+    g = mod.smoothed_kink(s, t, d)
+    g_s, g_t = torch.autograd.grad(g.sum(), (s, t), create_graph=True)
+    (g_ss,) = torch.autograd.grad(g_s.sum(), s)
+    assert (g_t - d * g_ss).abs().max() < 1e-12 * g_t.abs().max()
+    assert g_t.abs().max() > 1e-2
+    with torch.no_grad():
+        zero = mod.smoothed_kink(s, torch.zeros_like(s), d)
+    torch.testing.assert_close(zero, s.detach().abs(), rtol=0, atol=1e-16)
+    # at t = 0 (collocation and initial points) the derivatives stay finite, in both precisions
+    for dtype in (torch.float64, torch.float32):
+        s0 = torch.linspace(-0.01, 0.01, 21, dtype=dtype, requires_grad=True)
+        t0 = torch.zeros_like(s0, requires_grad=True)
+        g = mod.smoothed_kink(s0, t0, d)
+        g_s, g_t = torch.autograd.grad(g.sum(), (s0, t0), create_graph=True)
+        (g_ss,) = torch.autograd.grad(g_s.sum(), s0)
+        assert all(torch.isfinite(v).all() for v in (g, g_s, g_t, g_ss)), dtype
+
+
+def test_kink_layer_carries_the_layer_of_the_reference(ac):
+    """The reference minus K(x, t) has no kink at t = 0 and no boundary layer at x = ±1
+    later: its second differences there are those of the smooth rest of the solution."""
+    _, mod = ac
+    t = np.array([0.0, 0.005, 0.02, 0.1])
+    x, u = mod.allen_cahn_reference(t, n_modes=8192)   # the defaults' resolution
+    h = x[1] - x[0]
+
+    def second_difference(v):                          # periodic
+        return (np.roll(v, -1) - 2 * v + np.roll(v, 1)) / h**2
+
+    near = np.abs(x) > 0.95
+    for j in range(t.size):
+        kink = mod.kink_layer(torch.tensor(x), torch.full((x.size,), t[j],
+                                                           dtype=torch.float64)).numpy()
+        raw = np.abs(second_difference(u[:, j]))[near].max()
+        smooth = np.abs(second_difference(u[:, j] - kink))[near].max()
+        assert raw > 100 and smooth < 30 and smooth < raw / 8, (t[j], raw, smooth)
+    # the kink of u0 (slope -2 to +2 across x = ±1) is K's at t = 0
+    kink0 = mod.kink_layer(torch.tensor(x), torch.zeros(x.size, dtype=torch.float64)).numpy()
+    exact0 = mod.kink_layer(torch.tensor(x), None).numpy()            # 2 chi (1 - |x|)
+    np.testing.assert_allclose(kink0, exact0, rtol=0, atol=1e-16)
+    for v, jump in ((u[:, 0], 4.0), (u[:, 0] - kink0, 0.0)):
+        slope_in, slope_out = (v[0] - v[-1]) / h, (v[1] - v[0]) / h
+        assert abs(slope_out - slope_in - jump) < 0.05
+
+
 # ----------------------------------------------------------------------------- model
 
 
+@pytest.mark.parametrize("kink", [True, False])
 @pytest.mark.parametrize("constraints", ["hard", "soft"])
-def test_model_is_periodic_and_exact_at_t0(ac, constraints):
+def test_model_is_periodic_and_exact_at_t0(ac, constraints, kink):
     prob, mod = ac
     torch.manual_seed(3)
-    ctx = make_ctx(prob, [f"constraints={constraints}", "harmonics=3"])
+    ctx = make_ctx(prob, [f"constraints={constraints}", "harmonics=3", f"kink={kink}"])
+    assert ctx.model.kink == kink
     model = ctx.model
     with torch.no_grad():
         for p in model.parameters():
@@ -198,7 +265,7 @@ def test_defaults_and_documented_keys(ac):
     prob, mod = ac
     cfg = prob.config()
     assert cfg["ref_modes"] % cfg["test_nx"] == 0 and (cfg["test_nx"], cfg["test_nt"]) == (512, 201)
-    assert cfg["causal_threshold"] == 0.99 and cfg["constraints"] == "soft"
+    assert cfg["causal_threshold"] == 0.99 and cfg["constraints"] == "hard" and cfg["kink"]
     assert cfg["optimizer"] == "ssbroyden" and cfg["dtype"] == "float64"
     assert set(mod.TERMS) == {"pde", "initial"} and set(mod.METRICS) == {"u_rel_l2",
                                                                           "u_max_error"}
