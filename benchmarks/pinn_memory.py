@@ -56,7 +56,7 @@ def child(budget: str, points: int, derivatives: str, repeat: int) -> dict:
 
     prob, _ = load_problem(os.path.join(ROOT, "problems", "navier_stokes_pinn.py"))
     cfg = apply_overrides(prob.config(), [f"derivatives={derivatives}", "n_interior=16",
-                                          "n_boundary=8", "test_grid=2"])
+                                          "n_boundary=8", "test_grid=2", "constraints=soft"])
     ctx = Context(cfg, torch.device("cpu"), torch.float32)
     torch.manual_seed(0)
     prob.build(ctx)

@@ -41,7 +41,15 @@ compilation). Loss terms (``residuals``), each a mean square:
   ``residual_budget`` (or else the run's ``budget``) when one is set
   (:class:`deepsolve.pinn.ChunkedResidual`);
 * ``bc_u``, ``bc_v`` — the misfit of :math:`u, v` at ``n_boundary`` boundary points;
-* ``bc_p`` — the misfit of :math:`p` at the boundary points on the outflow :math:`x = 1`.
+* ``bc_p`` — the misfit of :math:`p` at the boundary points on the outflow :math:`x = 1`
+  (the three ``bc_`` terms with ``constraints = "soft"`` only).
+
+``constraints = "hard"`` wraps the network in the ansatz of :func:`boundary_lift`
+(:class:`deepsolve.pinn.Ansatz`): :math:`u, v` are the transfinite interpolant of their
+boundary values plus :math:`16\xi(1-\xi)\eta(1-\eta)` times the network, :math:`p` its outflow
+value plus :math:`(1 - \xi)` times the network, so the boundary conditions hold exactly and
+the loss holds the three PDE terms only; with ``compile = true`` the lift's derivatives are
+computed eagerly (and cached) and enter the compiled residual as an input.
 
 ``weighting = "fixed"`` weighs all terms 1 (as DeepXDE does); ``"annealing"`` adapts the
 boundary weights by learning-rate annealing during the Adam phase
@@ -88,29 +96,68 @@ from deepsolve.pinn import (
     FNN,
     SECOND_ORDER_SETTINGS,
     AdamLBFGSTraining,
+    Ansatz,
     ChunkedResidual,
     Collocation,
+    Jet,
     LeastSquaresTerm,
     Published,
     Rectangle,
     jet,
     make_weights,
+    transfinite,
 )
 
 TERMS = ("momentum_x", "momentum_y", "continuity", "bc_u", "bc_v", "bc_p")
 PDE_TERMS = ("momentum_x", "momentum_y", "continuity")
+PAIRS = ((0, 0), (1, 1))  # the second derivatives the residuals use
 METRICS = ("u_rel_l2", "v_rel_l2", "p_rel_l2", "max_rel_l2")
 
 
 def kovasznay(xy: torch.Tensor, re: float) -> torch.Tensor:
-    """Exact ``(u, v, p)`` at points ``(N, 2)``, shape ``(N, 3)``."""
+    """Exact ``(u, v, p)`` at points ``(..., 2)``, shape ``(..., 3)``."""
     lam = re / 2 - math.sqrt(re**2 / 4 + 4 * math.pi**2)
-    x, y = xy[:, 0], xy[:, 1]
+    x, y = xy[..., 0], xy[..., 1]
     ex = torch.exp(lam * x)
     u = 1 - ex * torch.cos(2 * math.pi * y)
     v = lam / (2 * math.pi) * ex * torch.sin(2 * math.pi * y)
     p = 0.5 * (1 - torch.exp(2 * lam * x))
     return torch.stack((u, v, p), -1)
+
+
+def boundary_lift(re: float, lo: tuple[float, float], hi: tuple[float, float]):
+    r"""The lift and factor of the hard-constraint ansatz (:class:`deepsolve.pinn.Ansatz`):
+    :math:`u, v` = their transfinite interpolant from the four edges
+    (:func:`deepsolve.pinn.transfinite`, which reads the exact solution on the boundary only)
+    plus :math:`16\,\xi(1 - \xi)\,\eta(1 - \eta)` times the network, :math:`p` = its
+    outflow value :math:`p(x_1, y)` plus :math:`(1 - \xi)` times the network, with
+    :math:`\xi, \eta \in [0, 1]` the scaled coordinates."""
+    x0, y0 = lo
+    x1, y1 = hi
+
+    def exact(xy):
+        return kovasznay(xy, re)
+
+    coons = transfinite(exact, lo, hi)
+
+    def lift(xy):
+        x, y = xy[..., 0], xy[..., 1]
+        xi, eta = (x - x0) / (x1 - x0), (y - y0) / (y1 - y0)
+        bubble = 16 * xi * (1 - xi) * eta * (1 - eta)
+        p_out = exact(torch.stack([torch.full_like(x, x1), y], -1))[..., 2]
+        g = torch.cat([coons(xy)[..., :2], p_out.unsqueeze(-1)], -1)
+        return g, torch.stack([bubble, bubble, 1 - xi], -1)
+
+    return lift
+
+
+def _hard(cfg) -> bool:
+    """``True`` for ``constraints = "hard"``; a one-line error for anything but hard/soft."""
+    name = str(cfg.constraints)
+    if name not in ("soft", "hard"):
+        raise ValueError(f"navier_stokes_pinn: constraints must be 'soft' or 'hard', got "
+                         f"{name!r}")
+    return name == "hard"
 
 
 class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
@@ -164,6 +211,10 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
         "anneal_every": 100,
         # evaluation
         "test_grid": 201,
+        # boundary conditions
+        "constraints": "hard",     # "hard": the ansatz of boundary_lift satisfies the
+                                   # boundary conditions exactly; "soft": bc_u, bc_v, bc_p
+                                   # loss terms (DeepXDE's setting)
     }
 
     lo, hi = (-0.5, -0.5), (1.0, 1.5)
@@ -179,10 +230,15 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
             int(cfg.n_interior), resample_every=int(cfg.resample_every), seed=seed)
         xb = geom.sample_boundary(int(cfg.n_boundary), method, seed + 1, dtype, device)
         outflow = (xb[:, 0] - self.hi[0]).abs() < 1e-9
-        ctx.model = FNN(2, 3, int(cfg.width), int(cfg.depth)).to(device=device, dtype=dtype)
+        net = FNN(2, 3, int(cfg.width), int(cfg.depth))
+        hard = _hard(cfg)
+        if hard:
+            net = Ansatz(net, boundary_lift(float(cfg.re), self.lo, self.hi))
+        ctx.model = net.to(device=device, dtype=dtype)
         test = geom.grid(int(cfg.test_grid), dtype=dtype, device=device)
         # weights adapt during Adam only: L-BFGS needs one fixed objective
-        weights = make_weights(str(cfg.weighting), {k: 1.0 for k in TERMS},
+        weights = make_weights(str(cfg.weighting),
+                               {k: 1.0 for k in (PDE_TERMS if hard else TERMS)},
                                reference=PDE_TERMS, alpha=float(cfg.anneal_alpha),
                                every=int(cfg.anneal_every), until=self._adapt_until(ctx))
         ctx.data = {
@@ -205,12 +261,32 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
         def fn(x):
             return self.pde(ctx, x)
 
-        return torch.compile(fn) if bool(ctx.cfg.compile) else fn
+        if not bool(ctx.cfg.compile):
+            return fn
+        if not (_hard(ctx.cfg) and str(ctx.cfg.derivatives) == "taylor"):
+            return torch.compile(fn)
+        model = ctx.model
+
+        def ansatz_fn(x, lift):
+            value, jac, hess = model.taylor(x, 2, PAIRS, lift=lift)
+            return self.equations(ctx, Jet(value, jac, hess[:, :2], (0, 1), None, PAIRS))
+
+        compiled = torch.compile(ansatz_fn)
+
+        def hard_fn(x):  # the lift's derivatives (eager, cached) go in as an input
+            return compiled(x, model.lift_jet(x, 2, PAIRS))
+
+        return hard_fn
 
     def pde(self, ctx, x, backend: str | None = None):
         """The three residuals at points ``x (N, 2)``: a dict of ``(N,)`` tensors."""
-        j = jet(ctx.model, x, 2, backend=backend or str(ctx.cfg.derivatives),
-                hessian_components=(0, 1), hessian_pairs=((0, 0), (1, 1)))
+        return self.equations(ctx, jet(ctx.model, x, 2,
+                                       backend=backend or str(ctx.cfg.derivatives),
+                                       hessian_components=(0, 1), hessian_pairs=PAIRS))
+
+    def equations(self, ctx, j):
+        """The three residuals from the jet of ``(u, v, p)`` (second derivatives of ``u, v``
+        along ``PAIRS``)."""
         u, v = j.value[:, 0], j.value[:, 1]
         u_x, u_y = j.jacobian[:, 0, 0], j.jacobian[:, 0, 1]
         v_x, v_y = j.jacobian[:, 1, 0], j.jacobian[:, 1, 1]
@@ -249,9 +325,12 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
             return ctx.model(p[:, :2])[:, 2] - p[:, 2]
 
         xb, ub, out = d["xb"], d["ub"], d["outflow"]
+        interior = LeastSquaresTerm(pde, self._points(ctx, iteration),
+                                    [float(w.get(k, 1.0)) for k in PDE_TERMS])
+        if _hard(ctx.cfg):  # the boundary values hold exactly
+            return [interior]
         return [
-            LeastSquaresTerm(pde, self._points(ctx, iteration),
-                             [float(w.get(k, 1.0)) for k in PDE_TERMS]),
+            interior,
             LeastSquaresTerm(bc, torch.cat([xb, ub[:, :2]], 1),
                              [float(w.get(k, 1.0)) for k in ("bc_u", "bc_v")]),
             LeastSquaresTerm(bc_p, torch.cat([xb[out], ub[out, 2:]], 1),
@@ -262,6 +341,9 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
         d = ctx.data
         x = self._points(ctx, iteration)
         terms = dict(d["residual"](x))
+        if _hard(ctx.cfg):  # the boundary values hold exactly
+            d["weights"].update_from(terms, ctx.model.parameters(), iteration)
+            return terms
         pred = ctx.model(d["xb"])
         err = pred - d["ub"]
         terms["bc_u"] = err[:, 0].pow(2).mean()

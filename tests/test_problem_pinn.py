@@ -107,7 +107,7 @@ def test_kovasznay_solution_solves_navier_stokes():
 
 TINY_NS = ["n_interior=64", "n_boundary=40", "width=8", "depth=2", "test_grid=11",
            "compile=false", "adam_iterations=3", "lbfgs_iters=3", "eval_every=2",
-           "optimizer=adam+lbfgs", "dtype=float32", "switch_at=1000"]
+           "optimizer=adam+lbfgs", "dtype=float32", "switch_at=1000", "constraints=soft"]
 TINY_BURGERS = ["n_collocation=64", "n_data=30", "width=8", "depth=2", "adam_iterations=3",
                 "lbfgs_iters=3", "eval_every=2", "quad_nodes=60", "compile=false",
                 "constraints=soft", "optimizer=adam+lbfgs", "dtype=float32",
@@ -167,6 +167,57 @@ def test_hard_constraints_through_the_trainer(tmp_path):
         cfg = apply_overrides(prob.config(), tiny + bad)
         with pytest.raises(ValueError, match=msg):
             prob.build(Context(cfg, torch.device("cpu"), torch.float32))
+
+
+def kovasznay_context(extra, dtype=torch.float64):
+    prob, mod = module_of(KOVASZNAY)
+    cfg = apply_overrides(prob.config(), TINY_NS + ["dtype=float64"] + extra)
+    ctx = Context(cfg, torch.device("cpu"), dtype)
+    torch.manual_seed(0)
+    prob.build(ctx)
+    return prob, mod, ctx
+
+
+def test_kovasznay_hard_constraints_hold_exactly_for_any_network():
+    """The ansatz (transfinite lift, bubble factor; p from the outflow): u, v equal the exact
+    solution on the whole boundary and p on the outflow, whatever the network's weights, and
+    the Taylor-mode residuals equal torch.func's."""
+    prob, mod, ctx = kovasznay_context(["constraints=hard"])
+    with torch.no_grad():
+        for p in ctx.model.parameters():
+            p.normal_()  # far from zero output
+    xb = ctx.data["xb"]
+    exact = mod.kovasznay(xb, 20.0)
+    with torch.no_grad():
+        pred = ctx.model(xb)
+        inside = ctx.model(ctx.data["test"])
+    assert (pred[:, :2] - exact[:, :2]).abs().max() < 1e-13
+    out = ctx.data["outflow"]
+    assert out.sum() > 10 and (pred[out, 2] - exact[out, 2]).abs().max() < 1e-13
+    assert (inside - ctx.data["test_exact"]).abs().max() > 1e-2  # the network matters inside
+    x = ctx.data["interior"].points(0)
+    taylor, func = prob.pde(ctx, x, "taylor"), prob.pde(ctx, x, "func")
+    for k in mod.PDE_TERMS:
+        torch.testing.assert_close(taylor[k], func[k], rtol=1e-10, atol=1e-12)
+
+
+def test_kovasznay_hard_constraints_through_the_trainer(tmp_path):
+    """Only the three PDE terms are logged and weighted; Gauss–Newton's residual vector is
+    the trainer's loss (it checks that at its first step) and the loss falls."""
+    for opt in (["optimizer=ssbroyden", "qn_iters=4"], ["optimizer=gauss_newton"]):
+        res = train(str(KOVASZNAY), sets=TINY_NS + opt + ["constraints=hard", "dtype=float64",
+                                                          "switch_at=-1", "warmup=2"],
+                    overrides={"iterations": 6}, out=str(tmp_path / opt[0]), quiet=True)
+        c = read_log(res.log_path).columns
+        assert not any(k.startswith("loss/bc_") for k in c)
+        total = sum(c[f"loss/{k}"] for k in ("momentum_x", "momentum_y", "continuity"))
+        np.testing.assert_allclose(c["loss"], total, rtol=1e-10)
+        assert c["loss"][-1] < 0.5 * c["loss"][1]
+        assert np.isfinite(c["metric/max_rel_l2"][-1])
+    prob, _ = load_problem(KOVASZNAY)
+    cfg = apply_overrides(prob.config(), TINY_NS + ["constraints=exact"])
+    with pytest.raises(ValueError, match="constraints must be 'soft' or 'hard'"):
+        prob.build(Context(cfg, torch.device("cpu"), torch.float32))
 
 
 @pytest.mark.parametrize("path,tiny,terms,metrics", CASES, ids=["kovasznay", "burgers"])
@@ -273,11 +324,15 @@ def test_float32_run_without_switch_stays_float32(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")),
                     reason="torch.compile needs a C++ compiler on CPU")
-def test_compiled_residual_equals_eager():
+@pytest.mark.parametrize("constraints", ["soft", "hard"])
+def test_compiled_residual_equals_eager(constraints):
+    """Loss and parameter gradients of the compiled residual equal the eager ones; with the
+    hard ansatz the lift's derivatives enter the compiled function as an input."""
     prob, _ = load_problem(KOVASZNAY)
     losses = []
     for flag in ("false", "true"):
-        cfg = apply_overrides(prob.config(), TINY_NS + [f"compile={flag}", "dtype=float64"])
+        cfg = apply_overrides(prob.config(), TINY_NS + [f"compile={flag}", "dtype=float64",
+                                                        f"constraints={constraints}"])
         ctx = Context(cfg, torch.device("cpu"), torch.float64)
         torch.manual_seed(0)
         prob.build(ctx)
@@ -336,8 +391,9 @@ SECOND = {
 }
 
 
-@pytest.mark.parametrize("path,tiny", [(BURGERS, TINY_BURGERS), (KOVASZNAY, TINY_NS)],
-                         ids=["burgers", "kovasznay"])
+@pytest.mark.parametrize("path,tiny", [(BURGERS, TINY_BURGERS), (KOVASZNAY, TINY_NS),
+                                       (KOVASZNAY, TINY_NS + ["constraints=hard"])],
+                         ids=["burgers", "kovasznay", "kovasznay-hard"])
 @pytest.mark.parametrize("name", list(SECOND))
 def test_second_order_resumed_run_equals_uninterrupted(tmp_path, path, tiny, name):
     """An Adam warm-up, then the second-order optimizer, in float64, with the collocation

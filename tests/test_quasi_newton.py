@@ -50,6 +50,34 @@ def test_bfgs_update_is_the_textbook_formula():
     torch.testing.assert_close(H, want, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("method", QUASI_NEWTON)
+def test_update_without_the_averaging_is_symmetric_to_round_off(method):
+    """The rank-3 product alone (what most iterations do) equals the averaged update to
+    round-off; SelfScaledBroyden's H stays symmetric over hundreds of iterations."""
+    H, s, y, g, alpha = pair(n=40, seed=5)
+    H2 = H.clone()
+    broyden_update(H, s, y, g, alpha, method, False)
+    broyden_update(H2, s, y, g, alpha, method, False, symmetrize=False)
+    torch.testing.assert_close(H2, H, rtol=1e-13, atol=1e-15)
+    assert float((H2 - H2.T).abs().max()) <= 1e-15 * float(H2.abs().max())
+    torch.manual_seed(0)
+    A = torch.randn(60, 30, dtype=F64)
+    b = torch.randn(60, dtype=F64)
+    x = torch.zeros(30, dtype=F64, requires_grad=True)
+    opt = SelfScaledBroyden([x], method=method, max_iter=300)
+
+    def closure():
+        opt.zero_grad()
+        loss = (A @ x - b).pow(2).sum() + 0.1 * x.pow(4).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    H = opt.state[x]["H"]
+    assert opt.state[x]["n_iter"] == 300  # several averagings (every SYMMETRIZE_EVERY)
+    assert float((H - H.T).abs().max()) <= 1e-12 * float(H.abs().max())
+
+
 def test_pairs_without_curvature_are_skipped():
     H, s, y, g, alpha = pair()
     before = H.clone()

@@ -57,12 +57,25 @@ __all__ = ["SelfScaledBroyden", "QUASI_NEWTON"]
 QUASI_NEWTON = ("ssbroyden", "ssbfgs", "bfgs")
 """The update rules of :class:`SelfScaledBroyden`."""
 
+SYMMETRIZE_EVERY = 64
+"""Iterations between the averagings of ``H`` with its transpose (:func:`broyden_update`):
+the round-off asymmetry of the rank-3 updates grows by about one unit in the last place
+per update, and the averaging costs several updates."""
+
 
 def broyden_update(H: torch.Tensor, s: torch.Tensor, y: torch.Tensor, g: torch.Tensor,
-                   alpha: float, method: str, first: bool) -> bool:
-    """Update ``H`` in place by the rule ``method`` for the pair ``s``, ``y`` (``g``: the
+                   alpha: float, method: str, first: bool, symmetrize: bool = True) -> bool:
+    r"""Update ``H`` in place by the rule ``method`` for the pair ``s``, ``y`` (``g``: the
     gradient where the step started, ``alpha`` the step length); see the module docstring.
-    Returns whether the pair was used."""
+    Returns whether the pair was used.
+
+    The update is one rank-3 product over ``H``, :math:`H \leftarrow H/\tau + U C U^\top`
+    with :math:`U = [H y, v, s]` and :math:`C = \mathrm{diag}(-1/(\tau\, y^\top H y),
+    \phi\, y^\top H y/\tau, \rho)` (``addmm_``: one pass over the ``P²`` values, which
+    bound the cost of an iteration for ``P`` in the thousands). It is symmetric in exact
+    arithmetic; ``symmetrize`` also averages ``H`` with its transpose against round-off
+    (a transposed pass, several times the cost of the update: :class:`SelfScaledBroyden`
+    does it every ``SYMMETRIZE_EVERY`` iterations)."""
     ys = float(y @ s)
     if not ys > 1e-12 * float(s.norm() * y.norm()) or not math.isfinite(ys):
         return False
@@ -105,11 +118,11 @@ def broyden_update(H: torch.Tensor, s: torch.Tensor, y: torch.Tensor, g: torch.T
     else:
         raise ValueError(f"method must be one of {QUASI_NEWTON}, got {method!r}")
     v = rho * s - Hy / yHy
-    H.addr_(Hy, Hy, alpha=-1.0 / yHy)
-    H.addr_(v, v, alpha=phi * yHy)
-    H.div_(tau)
-    H.addr_(s, s, alpha=rho)
-    H.add_(H.T.clone()).mul_(0.5)  # keep it symmetric against round-off
+    u = torch.stack([Hy, v, s], 1)                                        # (P, 3)
+    c = u.new_tensor([-1.0 / (yHy * tau), phi * yHy / tau, rho])
+    H.addmm_(u * c, u.T, beta=1.0 / tau)
+    if symmetrize:
+        H.add_(H.T.clone()).mul_(0.5)  # keep it symmetric against round-off
     return True
 
 
@@ -203,7 +216,8 @@ class SelfScaledBroyden(torch.optim.Optimizer):
                 break
             s = t * d
             y = g_new - g
-            if broyden_update(H, s, y, g, t, self.method, bool(st["first"])):
+            if broyden_update(H, s, y, g, t, self.method, bool(st["first"]),
+                              symmetrize=st["n_iter"] % SYMMETRIZE_EVERY == 0):
                 st["first"] = False
             else:
                 st["skipped"] += 1
