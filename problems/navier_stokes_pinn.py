@@ -81,8 +81,10 @@ also ``weight_bc_u``, ``weight_bc_v``, ``weight_bc_p``.
 
 Reference: DeepXDE's example reaches :math:`u`: 2.3e-4, :math:`v`: 1.1e-3, :math:`p`: 4.9e-4
 after 30000 Adam and up to 15000 L-BFGS iterations; docs/pinn.md compares the two on the
-same machine (``benchmarks/pinn_deepxde.py``). The SSBroyden defaults reach :math:`u, v, p`
-errors below 1e-6, 1e-5, 1e-5 in about 7 minutes on the 2-core CPU (docs/pinn.md).
+same machine (``benchmarks/pinn_deepxde.py``). The defaults (hard boundary conditions,
+SSBroyden) reach a largest error below 1e-6 after about 5 minutes and :math:`u, v, p` of
+1.8e-9, 1.2e-8, 7.1e-9 at the 15-minute limit on one thread of the 2-core CPU
+(docs/pinn.md).
 """
 
 from __future__ import annotations
@@ -173,7 +175,8 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
 
     defaults = {
         # trainer
-        "iterations": 400,         # total trainer iterations (warm-up + second-order steps)
+        "iterations": 2000,        # total trainer iterations (warm-up + second-order steps);
+                                   # time_limit ends the run first on a 2-core CPU
         "time_limit": 15.0,        # minutes: whichever of the two comes first ends the run
         "lr": 1e-3,                # Adam learning rate
         "eval_every": 10,
