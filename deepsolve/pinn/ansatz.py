@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .derivatives import jet
+
 __all__ = ["Ansatz", "transfinite"]
 
 Lift = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -87,27 +89,17 @@ class Ansatz(torch.nn.Module):
         return out
 
     def _lift_jet_uncached(self, x: torch.Tensor, order: int, pairs: list[tuple[int, int]]):
-        from torch.func import jacfwd, vmap
-
         def gb(p):
             g, b = self.lift(p)
-            return torch.stack([g, b]).reshape(2, -1)
+            return torch.stack([g, b]).reshape(-1)                    # (2k,)
 
-        def twice(p):
-            y = gb(p)
-            return y, y
-
-        if order == 1 or not pairs:
-            jac, val = vmap(jacfwd(twice, has_aux=True))(x)
-            return val, jac, None
-
-        def first(p):
-            jac, y = jacfwd(twice, has_aux=True)(p)
-            return jac, (jac, y)
-
-        hess, (jac, val) = vmap(jacfwd(first, has_aux=True))(x)     # hess (N, 2, k, d, d)
-        picked = torch.stack([hess[..., i, j] for i, j in pairs], -1)
-        return val, jac, picked
+        j = jet(gb, x, 2 if order == 2 and pairs else 1, backend="func",
+                hessian_pairs=pairs if order == 2 and pairs else None)
+        n = x.shape[0]
+        val = j.value.reshape(n, 2, -1)
+        jac = j.jacobian.reshape(n, 2, -1, x.shape[1])
+        hess = None if j.hessian is None else j.hessian.reshape(n, 2, -1, len(pairs))
+        return val, jac, hess
 
     def taylor(self, x: torch.Tensor, order: int = 2,
                pairs: Sequence[tuple[int, int]] = (), *,
