@@ -208,7 +208,13 @@ class SelfScaledBroyden(torch.optim.Optimizer):
                                                c2=self.c2, tolerance_change=1e-32,
                                                max_ls=self.max_ls)
             st["n_iter"] += 1
-            if not (math.isfinite(f_new) and f_new <= f):
+            # f_new == f is progress only where the loss no longer resolves it (at a minimum
+            # with a nonzero residual) but the gradient does: the curvature condition holds.
+            # A search that ran out at a step of ~0 (a stale H after the points were
+            # redrawn) fails it; accepting it would repeat max_iter searches of max_ls calls.
+            progress = f_new < f or (f_new == f and
+                                     abs(float(g_new @ d)) <= -self.c2 * gtd)
+            if not (math.isfinite(f_new) and progress):
                 st["failed_ls"] += 1   # no decrease: stay, forget the curvature
                 load_flat_parameters(self._params, theta)
                 H.copy_(torch.eye(H.shape[0], dtype=H.dtype, device=H.device))
