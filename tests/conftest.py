@@ -17,6 +17,27 @@ import torch
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` (``make test``) sends the tests of one ``xdist_group`` to one
+    worker by a ``@group`` suffix on their node ids, which pytest-xdist 3.8 writes to
+    ``item._nodeid``. From pytest 9.2 the node id is read from ``item._id`` (a
+    ``NodeId``), so the suffix is lost and a group's tests are spread over the workers: its
+    module fixtures built twice (the fresh-process memory measurements of test_planner.py,
+    two minutes each), the wheel and sdist builds of test_packaging.py sharing build/ at
+    once. Put the suffix where this pytest reads it."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        if names and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(item.nodeid + suffix)
+
+
 def _global_state() -> dict:
     return {"torch threads": torch.get_num_threads(),
             "signal handlers": tuple(signal.getsignal(s) for s in _SIGNALS),

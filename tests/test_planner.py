@@ -407,7 +407,7 @@ CALLS = {"pointwise": (12, (0, 1, 2)), "conv32": (8, (0, 1, 2)), "spectral": (10
 FIXED = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # glibc's thresholds fixed by the user
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker: its ~20 fresh processes take minutes
 def calls():
     jobs = {}
     for kind, (n, which) in CALLS.items():
@@ -425,7 +425,7 @@ def calls():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.xdist_group("real_peak")  # one worker: the module fixture's processes run once
+@pytest.mark.xdist_group("real_peak")  # one worker: the session fixture's processes run once
 @pytest.mark.parametrize("kind", list(CALLS))
 def test_first_call_stays_within_the_budget(kind, calls):
     """A batch job's first iteration keeps the budget: in a fresh process (deepsolve imported,
@@ -475,6 +475,7 @@ def test_the_first_profile_stays_within_a_budget_just_above_the_minimum():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("real_peak")  # the worker that holds the fixture's processes' rows
 def test_the_budget_is_used_and_predicted_on_large_states(calls):
     """Below store-all the warm call's real peak is within 10 % of the prediction and uses
     at least 80 % of the budget (4 MiB states, where a few MiB of slack would hide misses)."""
