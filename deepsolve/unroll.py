@@ -169,7 +169,8 @@ def unroll(
             ``compile_runs`` unrolls, compile time included (per-call overhead, dispatch
             saved, a segment's tape ``k`` steps' under ``budget=``); an integer
             ``k`` — that length; ``"auto"`` — compile only when the model says the compile
-            time is repaid (over ``compile_runs`` unrolls; without it, once the unrolls of
+            time is repaid against the fastest eager unroll of this step measured so far
+            (over ``compile_runs`` unrolls; without it, once the unrolls of
             this step so far would have repaid it: a training loop compiles after a few
             iterations, a single call stays eager); ``False`` (default) — eager steps, or
             what the strategy's ``compile`` field says; ``None`` — eager steps. The
@@ -304,12 +305,19 @@ def _segmented(step, state, n_steps, compile, runs, *, until, truncate, stats, *
             rec.calls += 1
             if rec.last is None or rec.n_steps != n_steps:
                 rec.last, rec.n_steps, rec.choice = stats, n_steps, None  # measure this one
+                rec.fastest = None
                 return _EAGER
             if rec.choice is not None:  # compiled already: keep its k (a new k recompiles)
                 return _segment_with(step, state, n_steps, rec.choice.k, rec.choice, mode,
                                      probe, until=until, truncate=truncate, stats=stats,
                                      **kw)
-            measured = rec.last.forward_time + rec.last.backward_time
+            # the fastest eager unroll seen, not the last: a pause (a GC pass, another
+            # process) only ever makes eager look slower, and one slow sample must not buy
+            # a compile that the step's real time never repays
+            last = rec.last.forward_time + rec.last.backward_time
+            if last > 0:
+                rec.fastest = last if rec.fastest is None else min(rec.fastest, last)
+            measured = rec.fastest
             runs = rec.calls - 1 if runs is None else max(runs - rec.calls + 1, 1)
         choice = _choose_k(step, state, n_steps, mode, runs or HORIZON, kw,
                            (1,) if single else SEGMENT_LENGTHS, measured)
@@ -425,11 +433,13 @@ def _warm(seg: Segments, state: Any) -> None:
 
 class _AutoSeen:
     """What ``compile="auto"`` has seen of a step: its unrolls so far, the statistics of the
-    last one run eagerly (its measured forward and backward time) and its length."""
+    last one run eagerly (its measured forward and backward time), the fastest eager unroll
+    of this length so far (seconds, what the decision uses) and its length."""
 
     def __init__(self) -> None:
         self.calls = 0
         self.last: UnrollStats | None = None
+        self.fastest: float | None = None
         self.n_steps: int | None = None
         self.choice: SegmentChoice | None = None  # the decision to compile, once taken
 

@@ -86,6 +86,29 @@ def test_compiled_code_is_reused_across_unrolls(problem):
     assert stats.compile_time == 0.0
 
 
+@pytest.mark.timeout(180)
+def test_a_long_segment_of_a_step_that_reads_its_state_twice_compiles():
+    """``x - dt r x`` reads the state twice: under Inductor's default inlining a 20-step
+    segment costs 2^20 evaluations of the chain (hours; 12 steps took 134 s). Stored once
+    per reuse (``INDUCTOR_OPTIONS``), it compiles in seconds — this test times out otherwise."""
+    rate = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    x0 = torch.linspace(0.5, 1.5, 4, dtype=torch.float64).requires_grad_()
+
+    def decay(x, i):
+        return x - 0.02 * rate * x
+
+    n, k = 40, 20
+    stats = deepsolve.UnrollStats()
+    g = grads(loss_of(deepsolve.unroll(decay, x0, n, snapshots=1, compile=k, stats=stats)),
+              (rate, x0))
+    assert stats.segment == k and stats.compile_time > 0
+    factor = (1 - 0.02 * rate.detach()) ** n  # x_n = (1 - dt r)^n x_0, in closed form
+    xn = factor * x0.detach()
+    exact = (-2 * n * 0.02 * factor / (1 - 0.02 * rate.detach()) * (xn * x0.detach()).sum(),
+             2 * factor * xn)
+    assert_close(g, exact, 1e-12)
+
+
 def test_two_level_and_store_all_segments(problem):
     step, F, y0 = problem
     n = 20
@@ -332,6 +355,28 @@ def test_a_strategy_carries_compile_and_auto_compiles_once_it_pays(problem):
         st = deepsolve.UnrollStats()
         deepsolve.unroll(other, y0, 8, snapshots=3, compile="auto", stats=st).sum().backward()
     assert st.segment == 1 and "not repaid" in st.extra["compile"].reason
+
+
+def test_auto_decides_from_the_fastest_eager_unroll_not_one_slow_sample(problem):
+    """One slow eager sample (a GC pass, a busy machine) after fast ones must not buy a
+    compile: "auto" weighs the fastest eager unroll of this length seen so far."""
+    _, F, y0 = problem
+
+    def step(y, i):  # a step of its own, so "auto" has seen nothing of it
+        return l96(y, i, F)
+
+    seen = []
+    for outlier in (None, 1000.0, None):
+        st = deepsolve.UnrollStats()
+        deepsolve.unroll(step, y0, 8, compile="auto", compile_runs=50, stats=st).sum() \
+            .backward()
+        assert st.segment == 1, [s.extra.get("compile") for s in seen + [st]]
+        if outlier is not None:  # as if this eager unroll had been held up 1000 s
+            st.forward_time = outlier
+        seen.append(st)
+    # 50 runs of a few milliseconds never repay a compile; 50 runs of 1000 s would have
+    assert "not repaid" in seen[-1].extra["compile"].reason
+    assert seen[-1].extra["compile"].k == 0
 
 
 def test_trainer_setting_compiles_and_logs_the_first_call(tmp_path, capsys):

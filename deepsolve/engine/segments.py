@@ -65,6 +65,13 @@ _CACHE_SIZE = 32  # compiled steps kept across unrolls (least recently used drop
 _cache: OrderedDict[Any, Segments] = OrderedDict()
 _compiled: dict[Any, dict[int, Callable]] = {}  # per (step, k, strict): length -> compiled
 _eager_reasons: dict[Any, str] = {}  # per (step, k, strict): why it runs eagerly
+#: Inductor settings of a segment's compile. A pointwise value used twice (``x - c x``) is
+#: inlined into each use unless it reads more than ``realize_reads_threshold`` buffers, and
+#: Inductor evaluates the inlined definition once per use: over ``k`` unrolled steps of such a
+#: chain, 2^k evaluations (exponential decay: 12 steps 140 s of compile, 16 steps over 400 s,
+#: 32 over 200 s). At 1, a value read twice that reads two buffers or more is stored
+#: once: 32 steps of that chain compile in 14 s (benchmarks/segment_inlining.py).
+INDUCTOR_OPTIONS: dict[str, Any] = {"realize_reads_threshold": 1}
 
 
 class CompileError(RuntimeError):
@@ -350,10 +357,14 @@ class Segments:
         (``mode="reduce-overhead"``: one graph launch per segment), its outputs copied out of
         the graph's memory, which the next replay overwrites."""
         _mark_index_dynamic()
+        known = vars(torch._inductor.config)["_config"]  # a release without a setting: skipped
+        options = {k: v for k, v in INDUCTOR_OPTIONS.items() if k in known}
         if not cuda:
-            return torch.compile(self._eager(length), fullgraph=True, dynamic=False)
+            return torch.compile(self._eager(length), fullgraph=True, dynamic=False,
+                                 options=options)
         graphed = torch.compile(self._eager(length), fullgraph=True, dynamic=False,
-                                mode="reduce-overhead")
+                                options={**torch._inductor.list_mode_options("reduce-overhead"),
+                                         **options})
 
         def replay(state, start):
             torch.compiler.cudagraph_mark_step_begin()
