@@ -217,7 +217,7 @@ def test_a_mesh_over_a_problem_that_does_not_decompose_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_budget_only_four_ranks_can_meet_is_refused_on_one_and_met_on_four(tmp_path):
+def test_a_budget_only_two_ranks_can_meet_is_refused_on_one_and_met_on_two(tmp_path):
     from helpers import make_ctx
 
     from deepsolve.memory.profiling import profile_step
@@ -229,17 +229,17 @@ def test_a_budget_only_four_ranks_can_meet_is_refused_on_one_and_met_on_four(tmp
     ctx = make_ctx(problem, grid, dtype=torch.float64)
     req = ctx.first_unroll(lambda: problem.residuals(ctx, 0))
     minimum = Revolve(1).predicted_peak(profile_step(req.step, req.state), req.n_steps)
-    budget = int(0.5 * minimum)        # a block of 8 rows (+2 halo rows) needs about 31 %
+    budget = int(0.75 * minimum)       # a block of 16 rows (+2 halo rows) needs about 56 %
     sets = [a for s in (*grid, f"budget={budget}", "iterations=1", "lbfgs_iters=1")
             for a in ("--set", s)]
     one = subprocess.run([sys.executable, "-m", "deepsolve", "train", SW, "--out",
                           str(tmp_path / "one"), "--quiet", *sets], env=_env(),
                          capture_output=True, text=True, timeout=300)
     assert one.returncode != 0 and "below the minimum" in one.stderr, one.stderr[-2000:]
-    four = _torchrun(4, "-m", "deepsolve", "train", SW, "--out", str(tmp_path / "four"),
-                     "--quiet", *sets, timeout=300)
-    assert four.returncode == 0, four.stderr[-3000:]
-    log = read_log(os.path.join(tmp_path / "four", "log.h5"))
+    two = _torchrun(2, "-m", "deepsolve", "train", SW, "--out", str(tmp_path / "two"),
+                    "--quiet", *sets, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    log = read_log(os.path.join(tmp_path / "two", "log.h5"))
     assert float(log.columns["peak_tracked_memory_max"][0]) <= budget
 
 
