@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from ..config import RunConfig, horizon, parse_curriculum
+from ..memory.allocator import release_budget
 from ..memory.meter import host_high_water_mark, process_status, reset_high_water_mark
 from ..problem import ProblemError
 from ..settings import parse_target
@@ -316,6 +317,10 @@ class Run:
             else:
                 bar = progress(iterations, start, self.quiet or not self.main,
                                float(self.cfg["progress_every"]), self.stopping.deadline())
+                # freed blocks an earlier budgeted call in this process left cached (the
+                # host allocator keeps its last limit) would count in this run's real peaks:
+                # emptied, the C library's own behaviour; a budgeted unroll sets its limit
+                release_budget()
                 self.host_base = process_status("VmRSS:")  # the run's real-peak baseline
                 for it in range(start, iterations):
                     row, last_loss = self.iteration(it)
