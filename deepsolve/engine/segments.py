@@ -357,8 +357,8 @@ class Segments:
         (``mode="reduce-overhead"``: one graph launch per segment), its outputs copied out of
         the graph's memory, which the next replay overwrites."""
         _mark_index_dynamic()
-        known = vars(torch._inductor.config)["_config"]  # a release without a setting: skipped
-        options = {k: v for k, v in INDUCTOR_OPTIONS.items() if k in known}
+        config = torch._inductor.config  # a release without a setting: skipped
+        options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
         if not cuda:
             return torch.compile(self._eager(length), fullgraph=True, dynamic=False,
                                  options=options)
