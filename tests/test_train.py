@@ -104,15 +104,15 @@ def test_budget_run_keeps_its_memory_in_the_log(tmp_path):
     assert np.all(np.isfinite(real)) and np.all(real >= 0)
 
 
-def _spike_run_shows_the_spike_alone(out) -> None:
+def _spike_run_shows_the_spike_alone(out, *settings: str) -> None:
     """Train the tiny problem 4 iterations with a 64 MiB spike at iteration 2 (a kernel that
     refuses to reset VmHWM: skipped); its real peak shows at iteration 2 and at no other."""
     from deepsolve.memory.meter import reset_high_water_mark
 
     if not reset_high_water_mark():
         pytest.skip("the kernel refuses to reset VmHWM (/proc/self/clear_refs)")
-    assert run_cli("train", TINY, "--out", out, "--iterations", 4, "--quiet",
-                   "--set", "spike_at=2") == 0
+    sets = [a for s in ("spike_at=2", *settings) for a in ("--set", s)]
+    assert run_cli("train", TINY, "--out", out, "--iterations", 4, "--quiet", *sets) == 0
     log = read_log(out / "log.h5")
     real = log.columns["peak_real_memory"]
     assert np.all(np.isnan(log.columns["peak_tracked_memory"]))  # no budget: nothing tracked
@@ -135,6 +135,13 @@ def test_real_peak_is_the_runs_own_after_a_budgeted_call_in_the_process(tmp_path
         .backward()
     assert stats.extra["plan"].strategy.kind != "store_all"  # the limit stays set after it
     _spike_run_shows_the_spike_alone(tmp_path / "run")
+
+
+def test_real_peak_survives_memory_freed_during_the_run(tmp_path):
+    """128 MiB resident when the run starts and freed at iteration 1 (garbage of earlier work
+    collected, a cache trimmed) must not hide iteration 2's 64 MiB spike below the run's
+    starting resident size: the baseline follows the resident size down."""
+    _spike_run_shows_the_spike_alone(tmp_path / "run", "ballast=128", "drop_at=1")
 
 
 def test_resuming_a_log_without_the_real_peak_columns(tmp_path):

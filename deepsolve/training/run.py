@@ -425,6 +425,10 @@ class Run:
             base = torch.cuda.memory_allocated(dev)
         else:
             reset_high_water_mark()  # this iteration's real peak, where the kernel allows
+            # memory freed since the baseline (garbage of earlier work collected, a cache
+            # trimmed) would hide this run's peaks below it: the baseline follows the
+            # resident size down to its lowest at an iteration's start
+            self.host_base = min(self.host_base, process_status("VmRSS:"))
         ctx.unroll_stats.clear()
         meter = MemoryMeter(dev, stats=StatsSum(ctx.unroll_stats)) if track else None
         t0 = time.perf_counter()

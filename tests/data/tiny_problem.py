@@ -18,13 +18,15 @@ class Model(torch.nn.Module):
 class Decay(deepsolve.Problem):
     defaults = {"iterations": 12, "lr": 0.05, "steps": 50, "dt": 0.02, "true_rate": 0.8,
                 "sleep": 0.0, "checkpoint_every": 3, "eval_every": 4, "batch": 4,
-                "spike_at": -1, "extra": 0, "curve": False}
+                "spike_at": -1, "ballast": 0, "drop_at": -1, "extra": 0, "curve": False}
 
     def build(self, ctx):
         ctx.model = Model(int(ctx.cfg.extra)).to(ctx.device, ctx.dtype)
         x0 = torch.linspace(0.5, 1.5, ctx.cfg.batch, device=ctx.device, dtype=ctx.dtype)
         xT = x0 * (1 - ctx.cfg.dt * ctx.cfg.true_rate) ** ctx.cfg.steps
         ctx.data = {"x0": x0, "xT": xT}
+        if ctx.cfg.ballast:  # MiB held from here until iteration drop_at
+            ctx.data["ballast"] = torch.ones(int(ctx.cfg.ballast) * 2**18)
 
     def step(self, ctx, x, i):
         return x - ctx.cfg.dt * ctx.model.rate * x
@@ -32,6 +34,8 @@ class Decay(deepsolve.Problem):
     def residuals(self, ctx, iteration):
         if ctx.cfg.sleep:
             time.sleep(ctx.cfg.sleep)
+        if iteration == ctx.cfg.drop_at:  # the resident size falls below the run's start
+            ctx.data.pop("ballast", None)
         if iteration == ctx.cfg.spike_at:  # 64 MiB touched and freed: a real-peak spike
             spike = torch.ones(2**24)
             del spike
