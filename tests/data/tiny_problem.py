@@ -1,7 +1,9 @@
 """A tiny unrolled problem for the trainer's tests: recover a decay rate through 50 steps."""
 
+import mmap
 import time
 
+import numpy as np
 import torch
 
 import deepsolve
@@ -37,8 +39,13 @@ class Decay(deepsolve.Problem):
         if iteration == ctx.cfg.drop_at:  # the resident size falls below the run's start
             ctx.data.pop("ballast", None)
         if iteration == ctx.cfg.spike_at:  # 64 MiB touched and freed: a real-peak spike
-            spike = torch.ones(2**24)
-            del spike
+            # a mapping of its own, every page written: resident whatever free memory the
+            # allocators hold from earlier work in the process (a tensor could reuse it)
+            spike = mmap.mmap(-1, 2**26)
+            pages = np.frombuffer(spike, dtype=np.uint8)
+            pages[::mmap.PAGESIZE] = 1
+            del pages
+            spike.close()
         xT = ctx.unroll(self.step, ctx.data["x0"])
         return {"misfit": ((xT - ctx.data["xT"]) ** 2).mean(),
                 "prior": 1e-4 * ctx.model.rate ** 2}
