@@ -59,7 +59,8 @@ the Adam phase; ``rar_every`` > 0 adds ``rar_add`` points of largest residual fr
 
 Optimiser (``optimizer``): ``"ssbroyden"`` (default) — full-memory self-scaled Broyden in
 float64 with a strong-Wolfe line search, ``qn_iters`` iterations per trainer iteration
-(:class:`deepsolve.pinn.SelfScaledBroyden`); ``"bfgs"`` (SSBFGS; plain BFGS with
+(:class:`deepsolve.pinn.SelfScaledBroyden`; each search starts at ``qn_step_growth`` = 1.25
+times the last accepted step, at most 1); ``"bfgs"`` (SSBFGS; plain BFGS with
 ``self_scaled = false``); ``"gauss_newton"`` — Levenberg–Marquardt on the three residual
 vectors of :meth:`KovasznayPINN.least_squares_terms` (:class:`deepsolve.pinn.GaussNewton`;
 ``gn_iters``, ``gn_damping``, ``jacobian_budget``); each after ``warmup`` Adam steps (default
@@ -187,6 +188,8 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
                                    # "adam" or "lbfgs"
         **SECOND_ORDER_SETTINGS,   # warmup, qn_iters, self_scaled, gn_iters, gn_damping,
                                    # jacobian_budget (deepsolve.pinn.SECOND_ORDER_SETTINGS)
+        "qn_step_growth": 1.25,    # SSBroyden's searches start near the last step: 1.6x the
+                                   # iterations late in the run (docs/pinn.md)
         "adam_iterations": 2000,   # "adam+lbfgs": Adam steps before L-BFGS takes over
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,

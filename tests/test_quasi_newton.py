@@ -147,6 +147,62 @@ def test_a_pair_whose_bound_rounds_to_zero_is_skipped(first):
     torch.testing.assert_close(H @ y, s, rtol=1e-10, atol=1e-12)
 
 
+def _chained_rosenbrock(opt, x):
+    def closure():
+        opt.zero_grad()
+        loss = (100 * (x[1:] - x[:-1] ** 2) ** 2 + (1 - x[:-1]) ** 2).sum()
+        loss.backward()
+        return loss
+    return closure
+
+
+def test_step_growth_starts_each_search_near_the_last_step():
+    """``step_growth=1.5``: each search after the first starts at ``min(1, 1.5 t_last)``,
+    the step the previous search accepted, and the run still reaches the minimum."""
+    x = torch.tensor([-1.2, 1.0] * 5, dtype=F64, requires_grad=True)
+    opt = SelfScaledBroyden([x], max_iter=300, step_growth=1.5)
+    starts, accepted, progress = [], [], []
+    search = opt._search
+
+    def spy(obj, theta, t0, *args):
+        out = search(obj, theta, t0, *args)
+        starts.append(t0)
+        accepted.append(out[2])
+        progress.append(out[3])
+        return out
+
+    opt._search = spy  # type: ignore[method-assign]
+    loss = float(opt.step(_chained_rosenbrock(opt, x)).detach())
+    assert loss < 1e-20
+    assert opt.state[x]["failed_ls"] == 0 or loss < 1e-25
+    # after a search without progress: the unit step (the retry), else near the last step
+    want = [min(1.0, 1.5 * t) if ok else 1.0
+            for t, ok in zip(accepted[:-1], progress[:-1], strict=True)]
+    assert starts[1:] == pytest.approx(want, rel=1e-15)
+    assert min(starts[1:]) < 1.0   # the rule acted: some searches started below 1
+
+
+def test_a_low_start_without_progress_retries_the_unit_step():
+    """A search that started below the unit step and made no progress is repeated from
+    the unit step before the curvature is given up (H reset): no failure is counted."""
+    x = torch.tensor([-1.2, 1.0] * 5, dtype=F64, requires_grad=True)
+    opt = SelfScaledBroyden([x], max_iter=300, step_growth=1.0)
+    starts = []
+    search = opt._search
+
+    def low_starts_fail(obj, theta, t0, *args):  # after the first search, whose start
+        starts.append(t0)                           # comes from the gradient's size
+        out = search(obj, theta, t0, *args)
+        return (*out[:3], False) if t0 < 1.0 and len(starts) > 1 else out
+
+    opt._search = low_starts_fail  # type: ignore[method-assign]
+    loss = float(opt.step(_chained_rosenbrock(opt, x)).detach())
+    low = [i for i, t in enumerate(starts) if t < 1.0 and i > 0]
+    assert low and all(starts[i + 1] == 1.0 for i in low if i + 1 < len(starts))
+    assert opt.state[x]["failed_ls"] == 0 or loss < 1e-25
+    assert loss < 1e-20
+
+
 def test_pairs_without_curvature_are_skipped():
     H, s, y, g, alpha = pair()
     before = H.clone()
@@ -276,6 +332,8 @@ def test_bad_input_errors():
         SelfScaledBroyden([p], method="dfp")
     with pytest.raises(ValueError, match="more than max_params=4"):
         SelfScaledBroyden([p], max_params=4)
+    with pytest.raises(ValueError, match="step_growth must be >= 1"):
+        SelfScaledBroyden([p], step_growth=0.5)
     with pytest.raises(ValueError, match="fold_every must be >= 1"):
         SelfScaledBroyden([p], fold_every=0)
     with pytest.raises(ValueError, match="needs a closure"):

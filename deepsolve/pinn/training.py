@@ -59,6 +59,8 @@ SECOND_ORDER_SETTINGS: dict[str, Any] = {
                                # or a count; 0 = all): GaussNewton(sketch=...)
     "gn_sketch_params": 0.0,   # a step moves this many parameters (fraction or count; 0 = all)
     "qn_iters": 20,            # SSBroyden/BFGS iterations per trainer iteration
+    "qn_step_growth": 0.0,     # a search starts at min(1, this x the last step); 0: at 1
+                               # (SelfScaledBroyden(step_growth=...))
     "self_scaled": True,       # "bfgs": self-scaled (SSBFGS) or plain BFGS
 }
 """The settings the second-order optimizers read, with their defaults: a problem class puts
@@ -176,7 +178,9 @@ class AdamLBFGSTraining:
             second = SelfScaledBroyden(params, method="ssbroyden" if name == "ssbroyden"
                                        else "ssbfgs" if self._setting(ctx, "self_scaled")
                                        else "bfgs",
-                                       max_iter=int(self._setting(ctx, "qn_iters")))
+                                       max_iter=int(self._setting(ctx, "qn_iters")),
+                                       step_growth=float(self._setting(ctx, "qn_step_growth"))
+                                       or None)
         outer.append(AdamWarmup(params, second, warmup=self.lbfgs_start(ctx),
                                 adam_lr=float(cfg.lr), on_step=lambda k: self.on_step(ctx, k)))
         return outer[0]
