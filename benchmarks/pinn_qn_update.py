@@ -25,12 +25,7 @@ import time
 
 import torch
 
-from deepsolve.pinn.quasi_newton import (
-    SYMMETRIZE_EVERY,
-    _LazyInverse,
-    broyden_terms,
-    broyden_update,
-)
+from deepsolve.pinn.quasi_newton import SYMMETRIZE_EVERY, _LazyInverse, broyden_update
 
 
 def curvature(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,13 +56,8 @@ def pending(H: torch.Tensor, b: torch.Tensor, g: torch.Tensor, iterations: int,
         y = b * s
         g_new = g + y
         Hg_new = lazy @ g_new
-        terms = broyden_terms(Hg_new - Hg, s, y, g, 0.5, "ssbroyden", k == 1)
-        if terms is not None:
-            beta, u, c = terms
-            Hg_new.mul_(beta).addmv_(u, c * (u.T @ g_new))
-            lazy.add(beta, u, c)
-            if lazy.full:
-                lazy.fold(symmetrize=k % SYMMETRIZE_EVERY == 0)
+        if lazy.update(Hg, Hg_new, g, g_new, s, 0.5, "ssbroyden", k == 1) and lazy.full:
+            lazy.fold(symmetrize=k % SYMMETRIZE_EVERY == 0)
         g, Hg = g_new, Hg_new
     lazy.fold(symmetrize=False)
 

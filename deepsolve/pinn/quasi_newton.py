@@ -201,6 +201,22 @@ class _LazyInverse:
         self.w[self.m:self.m + 3] = c
         self.m += 3
 
+    def update(self, Hg: torch.Tensor, Hg_new: torch.Tensor, g: torch.Tensor,
+               g_new: torch.Tensor, s: torch.Tensor, alpha: float, method: str,
+               first: bool) -> bool:
+        r"""Add the update for the step ``s`` of length ``alpha`` from gradient ``g`` to
+        ``g_new`` (:func:`broyden_terms`, with :math:`H y = H g_{new} - H g` from ``Hg`` and
+        ``Hg_new``, both products with the current ``H``) and turn ``Hg_new`` in place into
+        :math:`H_{k+1} g_{new}`; returns whether the pair was used (``False``: skipped,
+        nothing changed). The caller folds when :attr:`full`."""
+        terms = broyden_terms(Hg_new - Hg, s, g_new - g, g, alpha, method, first)
+        if terms is None:
+            return False
+        beta, u, c = terms
+        Hg_new.mul_(beta).addmv_(u, c * (u.T @ g_new))
+        self.add(beta, u, c)
+        return True
+
     def fold(self, symmetrize: bool) -> None:
         """Write the pending terms into ``H0`` (one rank-``m`` product)."""
         if self.m:
@@ -349,18 +365,13 @@ class SelfScaledBroyden(torch.optim.Optimizer):
                 break
             st["t_last"] = t
             s = t * d
-            y = g_new - g
             Hg_new = H @ g_new          # the one pass over H0 of the iteration
-            terms = broyden_terms(Hg_new - Hg, s, y, g, t, self.method, bool(st["first"]))
-            if terms is None:
-                st["skipped"] += 1
-            else:
-                beta, u, c = terms      # H_{k+1} g_{k+1} from H_k g_{k+1} and U
-                Hg_new = Hg_new.mul_(beta).addmv_(u, c * (u.T @ g_new))
-                H.add(beta, u, c)
+            if H.update(Hg, Hg_new, g, g_new, s, t, self.method, bool(st["first"])):
                 st["first"] = False
                 if H.full:
                     fold()
+            else:
+                st["skipped"] += 1
             theta = theta + s
             f, g, Hg = f_new, g_new, Hg_new
         fold()

@@ -321,7 +321,7 @@ class Run:
                 # host allocator keeps its last limit) would count in this run's real peaks:
                 # emptied, the C library's own behaviour; a budgeted unroll sets its limit
                 release_budget()
-                self.host_base = process_status("VmRSS:")  # the run's real-peak baseline
+                self.host_base = math.inf  # the real-peak baseline: set at each iteration
                 for it in range(start, iterations):
                     row, last_loss = self.iteration(it)
                     self.log.append(row)
@@ -425,9 +425,9 @@ class Run:
             base = torch.cuda.memory_allocated(dev)
         else:
             reset_high_water_mark()  # this iteration's real peak, where the kernel allows
-            # memory freed since the baseline (garbage of earlier work collected, a cache
-            # trimmed) would hide this run's peaks below it: the baseline follows the
-            # resident size down to its lowest at an iteration's start
+            # the run's baseline: the lowest resident size at an iteration's start, so that
+            # memory freed during the run (garbage of earlier work collected, a cache
+            # trimmed) cannot hide this run's peaks below where the run started
             self.host_base = min(self.host_base, process_status("VmRSS:"))
         ctx.unroll_stats.clear()
         meter = MemoryMeter(dev, stats=StatsSum(ctx.unroll_stats)) if track else None
