@@ -37,9 +37,9 @@ through the layers in one pass; ``"func"``: ``torch.func`` forward-over-forward;
 compilation). Loss terms (``residuals``), each a mean square:
 
 * ``momentum_x``, ``momentum_y``, ``continuity`` — the three residuals at ``n_interior``
-  interior points (scrambled Sobol by default, ``sampling``), evaluated in chunks under
-  ``residual_budget`` (or else the run's ``budget``) when one is set
-  (:class:`deepsolve.pinn.ChunkedResidual`);
+  interior points (1024 scrambled Sobol points by default, ``sampling``; DeepXDE: 2601),
+  evaluated in chunks under ``residual_budget`` (or else the run's ``budget``) when one is
+  set (:class:`deepsolve.pinn.ChunkedResidual`);
 * ``bc_u``, ``bc_v`` — the misfit of :math:`u, v` at ``n_boundary`` boundary points;
 * ``bc_p`` — the misfit of :math:`p` at the boundary points on the outflow :math:`x = 1`
   (the three ``bc_`` terms with ``constraints = "soft"`` only).
@@ -60,7 +60,8 @@ the Adam phase; ``rar_every`` > 0 adds ``rar_add`` points of largest residual fr
 Optimiser (``optimizer``): ``"ssbroyden"`` (default) — full-memory self-scaled Broyden in
 float64 with a strong-Wolfe line search, ``qn_iters`` iterations per trainer iteration
 (:class:`deepsolve.pinn.SelfScaledBroyden`; each search starts at ``qn_step_growth`` = 1.25
-times the last accepted step, at most 1); ``"bfgs"`` (SSBFGS; plain BFGS with
+times the last accepted step, at most 1; a search the loss cannot resolve is followed by
+one on the directional derivative, ``qn_approximate_wolfe``); ``"bfgs"`` (SSBFGS; plain BFGS with
 ``self_scaled = false``); ``"gauss_newton"`` — Levenberg–Marquardt on the three residual
 vectors of :meth:`KovasznayPINN.least_squares_terms` (:class:`deepsolve.pinn.GaussNewton`;
 ``gn_iters``, ``gn_damping``, ``jacobian_budget``); each after ``warmup`` Adam steps (default
@@ -83,9 +84,10 @@ also ``weight_bc_u``, ``weight_bc_v``, ``weight_bc_p``.
 Reference: DeepXDE's example reaches :math:`u`: 2.3e-4, :math:`v`: 1.1e-3, :math:`p`: 4.9e-4
 after 30000 Adam and up to 15000 L-BFGS iterations; docs/pinn.md compares the two on the
 same machine (``benchmarks/pinn_deepxde.py``). The defaults (hard boundary conditions,
-SSBroyden) reach a largest error below 1e-6 after about 5 minutes and :math:`u, v, p` of
-1.8e-9, 1.2e-8, 7.1e-9 at the 15-minute limit on one thread of the 2-core CPU
-(docs/pinn.md).
+SSBroyden, 1024 points, the derivative search) run with two threads of the 2-core CPU reach
+:math:`u, v \le 10^{-9}` after about 10 minutes and :math:`u, v, p` of 1.8e-10, 9.1e-10,
+9.0e-10 at the 15-minute limit; with ``--seed 1`` the run settles at v 2.2e-9 (docs/pinn.md,
+"Beside the literature").
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
 
     defaults = {
         # trainer
-        "iterations": 2000,        # total trainer iterations (warm-up + second-order steps);
+        "iterations": 5000,        # total trainer iterations (warm-up + second-order steps);
                                    # time_limit ends the run first on a 2-core CPU
         "time_limit": 15.0,        # minutes: whichever of the two comes first ends the run
         "lr": 1e-3,                # Adam learning rate
@@ -190,6 +192,8 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
                                    # jacobian_budget (deepsolve.pinn.SECOND_ORDER_SETTINGS)
         "qn_step_growth": 1.25,    # SSBroyden's searches start near the last step: 1.6x the
                                    # iterations late in the run (docs/pinn.md)
+        "qn_approximate_wolfe": True,  # past the loss's round-off (about 1e-16), steps found
+                                   # on the derivative (docs/pinn.md)
         "adam_iterations": 2000,   # "adam+lbfgs": Adam steps before L-BFGS takes over
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
@@ -203,7 +207,8 @@ class KovasznayPINN(AdamLBFGSTraining, deepsolve.Problem):
         "derivatives": "taylor",   # "taylor" (one pass), "func" (torch.func) or "autograd"
         "compile": True,           # torch.compile the residual
         # collocation
-        "n_interior": 2601,
+        "n_interior": 1024,        # 2^10 Sobol points, 3072 residuals for 2973 parameters:
+                                   # twice the iterations of DeepXDE's 2601 (docs/pinn.md)
         "n_boundary": 400,
         "sampling": "sobol",       # "uniform", "sobol", "halton" or "lhs"
         "resample_every": 0,       # redraw the interior points (Adam phase only; 0 = never)

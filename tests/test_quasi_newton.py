@@ -12,8 +12,10 @@ from test_gauss_newton import poisson_pinn
 
 from deepsolve.pinn import QUASI_NEWTON, SelfScaledBroyden, least_squares_loss
 from deepsolve.pinn.quasi_newton import (
+    APPROX_WOLFE,
     SYMMETRIZE_EVERY,
     _LazyInverse,
+    approximate_wolfe,
     broyden_terms,
     broyden_update,
 )
@@ -201,6 +203,81 @@ def test_a_low_start_without_progress_retries_the_unit_step():
     assert low and all(starts[i + 1] == 1.0 for i in low if i + 1 < len(starts))
     assert opt.state[x]["failed_ls"] == 0 or loss < 1e-25
     assert loss < 1e-20
+
+
+def _noisy(value: torch.Tensor, x: torch.Tensor, level: float = 1e-7) -> torch.Tensor:
+    """``value`` with a round-off-like error of ``level`` times itself that jumps with the
+    last bits of ``x``: the gradient is exact, the value resolves no smaller change."""
+    noise = torch.sin(1e15 * (x.detach() * torch.arange(1, x.numel() + 1, dtype=F64)).sum())
+    return value + (level * noise * value).detach()
+
+
+@pytest.mark.parametrize("t0", [1e-6, 1.0, 1e4])
+def test_approximate_wolfe_finds_the_band_on_the_derivative(t0):
+    """On phi(t) = 1 + g t + a t^2 / 2 with a noisy value the search returns a step with
+    sigma phi'(0) <= phi'(t) <= (2 delta - 1) phi'(0), i.e. t in
+    [(1 - sigma) |g| / a, 2 (1 - delta) |g| / a], from short and long starts alike."""
+    delta, sigma, eps = APPROX_WOLFE
+    gtd, a = -1e-9, 1e3         # the decrease to the minimum, 5e-22, is far below the noise
+    d = torch.ones(1, dtype=F64)
+    calls = []
+
+    def obj(theta, t, d):
+        calls.append(t)
+        x = theta + t * d
+        f = _noisy(1 + gtd * x + 0.5 * a * x * x, x).sum()
+        return float(f), (gtd + a * x).detach()
+
+    theta = torch.zeros(1, dtype=F64)
+    f_t, g_t, t, found = approximate_wolfe(obj, theta, t0, d, 1.0, gtd)
+    assert found
+    assert (1 - sigma) * -gtd / a <= t <= 2 * (1 - delta) * -gtd / a
+    assert sigma * gtd <= float(g_t @ d) <= (2 * delta - 1) * gtd
+    assert f_t <= 1.0 + eps
+    assert len(calls) <= 20
+
+
+def test_approximate_wolfe_gives_up_on_an_ascent():
+    """A direction along which phi' never enters the band (a constant slope of the wrong
+    sign): not found, within its evaluations."""
+    d = torch.ones(2, dtype=F64)
+    out = approximate_wolfe(lambda th, t, d: (1.0 + t, torch.ones(2, dtype=F64)),
+                            torch.zeros(2, dtype=F64), 1.0, d, 1.0, -2.0, max_evals=12)
+    assert out[3] is False
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_approximate_wolfe_goes_on_where_the_loss_no_longer_resolves_steps(approximate):
+    """An ill-conditioned quadratic whose minimum value is 1 and whose value carries a
+    round-off-like error of 1e-7 (the gradient exact): the strong-Wolfe search fails once
+    the decrease is below 1e-7, and the reset to steepest descent cannot resolve one either,
+    so the plain optimizer stalls with a gradient of ~1e-4; with ``approximate_wolfe`` the
+    steps found on the derivative go on to the minimiser."""
+    n = 12
+    g = torch.Generator().manual_seed(3)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, dtype=F64, generator=g))
+    A = Q @ torch.diag(torch.logspace(0, 4, n, dtype=F64)) @ Q.T
+    x_star = torch.randn(n, dtype=F64, generator=g)
+    x = torch.nn.Parameter(x_star + torch.randn(n, dtype=F64, generator=g))
+    opt = SelfScaledBroyden([x], max_iter=200, approximate_wolfe=approximate)
+
+    def closure():
+        opt.zero_grad()
+        e = x - x_star
+        loss = _noisy(1 + 0.5 * e @ (A @ e), x)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        opt.step(closure)
+    grad = float((A @ (x.detach() - x_star)).norm())
+    st = opt.state[x]
+    if approximate:
+        assert st["approximate"] > 0
+        assert grad < 1e-9
+    else:
+        assert st["failed_ls"] > 0
+        assert grad > 1e-6
 
 
 def test_pairs_without_curvature_are_skipped():

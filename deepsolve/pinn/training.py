@@ -61,6 +61,8 @@ SECOND_ORDER_SETTINGS: dict[str, Any] = {
     "qn_iters": 20,            # SSBroyden/BFGS iterations per trainer iteration
     "qn_step_growth": 0.0,     # a search starts at min(1, this x the last step); 0: at 1
                                # (SelfScaledBroyden(step_growth=...))
+    "qn_approximate_wolfe": False,  # a failed search is followed by one on the derivative
+                               # alone (SelfScaledBroyden(approximate_wolfe=...))
     "self_scaled": True,       # "bfgs": self-scaled (SSBFGS) or plain BFGS
 }
 """The settings the second-order optimizers read, with their defaults: a problem class puts
@@ -180,7 +182,9 @@ class AdamLBFGSTraining:
                                        else "bfgs",
                                        max_iter=int(self._setting(ctx, "qn_iters")),
                                        step_growth=float(self._setting(ctx, "qn_step_growth"))
-                                       or None)
+                                       or None,
+                                       approximate_wolfe=bool(
+                                           self._setting(ctx, "qn_approximate_wolfe")))
         outer.append(AdamWarmup(params, second, warmup=self.lbfgs_start(ctx),
                                 adam_lr=float(cfg.lr), on_step=lambda k: self.on_step(ctx, k)))
         return outer[0]
