@@ -55,7 +55,8 @@ and boundary values are loss terms. Loss terms:
 Optimiser (``optimizer``): ``"ssbroyden"`` (default) — full-memory self-scaled Broyden in
 float64 with a strong-Wolfe line search, ``qn_iters`` iterations per trainer iteration
 (:class:`deepsolve.pinn.SelfScaledBroyden`; Urbán, Stefanou & Pons 2025, whose Burgers set-up
-— a small network, RAD every 500 quasi-Newton iterations — this follows); ``"bfgs"``
+— a small network, RAD every 500 quasi-Newton iterations — this follows; each search starts
+at ``qn_step_growth`` = 1.25 times the last accepted step, at most 1); ``"bfgs"``
 (SSBFGS, or plain BFGS with ``self_scaled = false``); ``"gauss_newton"`` —
 Levenberg–Marquardt on the residual vector (:class:`deepsolve.pinn.GaussNewton`,
 :meth:`BurgersPINN.least_squares_terms`; ``gn_iters``, ``gn_damping``, the Jacobian chunked
@@ -172,6 +173,8 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
                                    # "adam" or "lbfgs"
         **SECOND_ORDER_SETTINGS,   # warmup, qn_iters, self_scaled, gn_iters, gn_damping,
                                    # jacobian_budget (deepsolve.pinn.SECOND_ORDER_SETTINGS)
+        "qn_step_growth": 1.25,    # SSBroyden's searches start near the last step: 1.28x
+                                   # the iterations in 15 min (docs/pinn.md)
         "adam_iterations": 1000,   # "adam+lbfgs": Adam steps before L-BFGS
         "lbfgs_iters": 50,         # L-BFGS inner iterations per trainer iteration
         "lbfgs_history": 50,
