@@ -86,7 +86,7 @@ after 30000 Adam and up to 15000 L-BFGS iterations; docs/pinn.md compares the tw
 same machine (``benchmarks/pinn_deepxde.py``). The defaults (hard boundary conditions,
 SSBroyden, 1024 points, the derivative search) run with two threads of the 2-core CPU reach
 :math:`u, v \le 10^{-9}` after about 10 minutes and :math:`u, v, p` of 1.8e-10, 9.1e-10,
-9.0e-10 at the 15-minute limit; with ``--seed 1`` the run settles at v 2.2e-9 (docs/pinn.md,
+9.0e-10 at the 15-minute limit; seeds 1 and 2 end at v 2.2e-9 and 1.1e-9 (docs/pinn.md,
 "Beside the literature").
 """
 
