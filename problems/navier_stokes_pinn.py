@@ -61,8 +61,8 @@ Optimiser (``optimizer``): ``"ssbroyden"`` (default) — full-memory self-scaled
 float64 with a strong-Wolfe line search, ``qn_iters`` iterations per trainer iteration
 (:class:`deepsolve.pinn.SelfScaledBroyden`; each search starts at ``qn_step_growth`` = 1.25
 times the last accepted step, at most 1; a search the loss cannot resolve is followed by
-one on the directional derivative, ``qn_approximate_wolfe``); ``"bfgs"`` (SSBFGS; plain BFGS with
-``self_scaled = false``); ``"gauss_newton"`` — Levenberg–Marquardt on the three residual
+one on the directional derivative, ``qn_approximate_wolfe``); ``"bfgs"`` (SSBFGS; plain
+BFGS with ``self_scaled = false``); ``"gauss_newton"`` — Levenberg–Marquardt on the three residual
 vectors of :meth:`KovasznayPINN.least_squares_terms` (:class:`deepsolve.pinn.GaussNewton`;
 ``gn_iters``, ``gn_damping``, ``jacobian_budget``); each after ``warmup`` Adam steps (default
 none). ``"adam+lbfgs"`` (the earlier default): ``adam_iterations`` Adam steps (``lr``), then

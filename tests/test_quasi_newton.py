@@ -251,7 +251,7 @@ def test_approximate_wolfe_goes_on_where_the_loss_no_longer_resolves_steps(appro
     """An ill-conditioned quadratic whose minimum value is 1 and whose value carries a
     round-off-like error of 1e-7 (the gradient exact): the strong-Wolfe search fails once
     the decrease is below 1e-7, and the reset to steepest descent cannot resolve one either,
-    so the plain optimizer stalls with a gradient of ~1e-4; with ``approximate_wolfe`` the
+    so the plain optimizer stalls with a gradient of ~1e-3; with ``approximate_wolfe`` the
     steps found on the derivative go on to the minimiser."""
     n = 12
     g = torch.Generator().manual_seed(3)
