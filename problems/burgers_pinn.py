@@ -41,7 +41,16 @@ units (default 4 × 20, 1341 parameters; Raissi: 8 × 20), inputs mapped to
 (:class:`HardConstrained`; Lagaris et al. 1998), which equals the initial condition at
 :math:`t = 0` and vanishes at :math:`x = \pm 1` for every network, so the only loss term is
 the residual. With ``constraints = "soft"`` (Raissi's setting) :math:`u = N` and the initial
-and boundary values are loss terms. Loss terms:
+and boundary values are loss terms.
+
+Symmetry (``symmetry``): the initial condition is odd in :math:`x` and Burgers' equation
+keeps that parity, so :math:`u(-x, t) = -u(x, t)`. With ``symmetry = "odd"`` the network is
+:math:`\tfrac12(N(x, t) - N(-x, t))` (:class:`deepsolve.pinn.Symmetric`): the network's
+output is odd for any weights, the front stays at :math:`x = 0`, and the residual, odd too,
+needs points on :math:`x \ge 0` only (the collocation domain and the RAD pool are
+:math:`[0, 1] \times [0, 1]`). A network pass costs twice the plain one, so
+``n_collocation`` points on the half domain cost what ``2 n_collocation`` points on the whole
+one do, at the same density. Loss terms:
 
 * ``pde`` — mean square of :math:`u_t + u u_x - \nu u_{xx}` at ``n_collocation`` points
   (Latin hypercube as in Raissi, ``sampling``; every ``rad_every`` iterations redrawn by RAD
@@ -71,9 +80,10 @@ Metrics (``evaluate``)
 ``u_rel_l2`` — :math:`\|u_\theta - u\|_2 / \|u\|_2` on Raissi's evaluation grid (256 points
 in :math:`x` × 100 times in :math:`[0, 0.99]`); ``u_max_error`` — the largest absolute error
 there. Raissi et al. report 6.7e-4 (soft constraints, up to 50000 L-BFGS iterations). The
-defaults reach ``u_rel_l2`` below 1e-5 in about 2 minutes and about 1e-6 at best
-(docs/pinn.md, "Second-order optimisers", lists the measured runs: 2-core CPU, two
-threads). The earlier defaults (8 × 20, Adam then L-BFGS) reached 4.6e-4 after 24.7 min.
+defaults reach ``u_rel_l2`` 8.8e-9 in 15 minutes on a 2-core CPU with two threads, 1.1e-8
+with one beside another run (docs/pinn.md, "Burgers", lists the measured runs); with
+``symmetry = "none"`` and 5000 points, 2.6e-7. The earlier defaults (8 × 20, Adam then
+L-BFGS) reached 4.6e-4 after 24.7 min.
 """
 
 from __future__ import annotations
@@ -96,6 +106,7 @@ from deepsolve.pinn import (
     Published,
     Rectangle,
     ResidualAttention,
+    Symmetric,
     jet,
     make_weights,
 )
@@ -132,6 +143,14 @@ def _constraints(cfg) -> bool:
     if name not in ("soft", "hard"):
         raise ValueError(f"burgers_pinn: constraints must be 'soft' or 'hard', got {name!r}")
     return name == "hard"
+
+
+def _odd(cfg) -> bool:
+    """``True`` for ``symmetry = "odd"``; a one-line error for anything but none/odd."""
+    name = str(cfg.symmetry)
+    if name not in ("none", "odd"):
+        raise ValueError(f"burgers_pinn: symmetry must be 'none' or 'odd', got {name!r}")
+    return name == "odd"
 
 
 class HardConstrained(torch.nn.Module):
@@ -186,10 +205,12 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
         "width": 20,
         "depth": 4,
         "constraints": "hard",     # "hard": exact ansatz; "soft": initial/boundary loss terms
+        "symmetry": "odd",         # "odd": u odd in x by construction, points on x >= 0;
+                                   # "none": the plain network on the whole domain
         "derivatives": "autograd",  # "autograd", "taylor" (one pass) or "func" (torch.func)
         "compile": False,          # torch.compile the residual (pays off with "taylor")
         # points
-        "n_collocation": 5000,
+        "n_collocation": 3500,     # on x >= 0 with symmetry = "odd" (the whole domain else)
         "n_data": 100,             # initial + boundary points (Raissi's N_u)
         "sampling": "lhs",         # "uniform", "sobol", "halton" or "lhs"
         "resample_every": 0,       # Adam phase only
@@ -215,7 +236,8 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
         cfg = ctx.cfg
         dtype, device = ctx.dtype, ctx.device
         seed = int(cfg.seed)
-        geom = Rectangle((-1.0, 0.0), (1.0, 1.0))  # (x, t)
+        odd = _odd(cfg)
+        geom = Rectangle((0.0 if odd else -1.0, 0.0), (1.0, 1.0))  # (x, t)
         method = str(cfg.sampling)
         coll = Collocation(lambda n, s: geom.sample_interior(n, method, s, dtype, device),
                            int(cfg.n_collocation), resample_every=int(cfg.resample_every),
@@ -244,6 +266,9 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
         if hard and str(cfg.derivatives) == "taylor":
             raise ValueError("burgers_pinn: constraints='hard' needs derivatives='autograd' or "
                              "'func' (Taylor mode runs on a bare FNN)")
+        if odd:  # the solution is odd in x: so is the network, the points on x >= 0
+            net.layers[-1].bias.requires_grad_(False)  # a constant cancels in N(x) - N(-x)
+            net = Symmetric(net, axis=0, parity=-1)
         ctx.model = (HardConstrained(net) if hard else net).to(device=device, dtype=dtype)
         # weights adapt during Adam only: L-BFGS needs one fixed objective
         terms = ("pde",) if hard else TERMS

@@ -1,9 +1,11 @@
-"""deepsolve.pinn.ansatz: the hard-constraint ansatz u = g + b N and the transfinite lift.
+"""deepsolve.pinn.ansatz: the hard-constraint ansatz u = g + b N, the transfinite lift and
+the symmetric (even/odd) network.
 
 The ansatz's Taylor-mode derivatives (network by its own one-pass jet, lift by torch.func,
 joined by the product rule) are compared with torch.func derivatives of the whole ansatz in
 float64, including parameter gradients of a residual loss and points changed in place (the
-lift's cache); the transfinite interpolant with functions it must reproduce exactly.
+lift's cache); the transfinite interpolant with functions it must reproduce exactly;
+Symmetric's parity at mirrored points and its Taylor-mode derivatives against torch.func.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import pytest
 import torch
 
-from deepsolve.pinn import FNN, Ansatz, jet, transfinite
+from deepsolve.pinn import FNN, Ansatz, Symmetric, jet, transfinite
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 
@@ -181,3 +183,45 @@ def test_bad_input_is_refused():
         jet(plain, points(4), 2, backend="taylor")
     with pytest.raises(ValueError, match="lo < hi"):
         transfinite(smooth, (0.0, 1.0), (1.0, 0.5))
+
+
+@pytest.mark.parametrize("parity,axis,center", [(-1, 0, 0.0), (1, 1, 0.3), (-1, 1, 0.5)])
+def test_symmetric_has_its_parity_and_taylor_equals_torch_func(parity, axis, center):
+    torch.manual_seed(2)
+    m = Symmetric(FNN(2, 3, 10, 2).double(), axis=axis, parity=parity, center=center)
+    x = points(30)
+    mirrored = x.clone()
+    mirrored[:, axis] = 2 * center - x[:, axis]
+    close(m(mirrored), parity * m(x), 1e-14)
+    assert (m(x) - m.net(x)).abs().max() > 1e-2  # not the bare network
+    jt = jet(m, x, 2, backend="taylor", hessian_pairs=PAIRS)
+    jf = jet(m, x, 2, backend="func", hessian_pairs=PAIRS)
+    ja = jet(m, x, 2, backend="autograd", hessian_pairs=PAIRS)
+    for j in (jt, ja):
+        close(j.value, jf.value)
+        close(j.jacobian, jf.jacobian)
+        close(j.hessian, jf.hessian)
+    close(jet(m, x, 1, backend="taylor").jacobian, jf.jacobian)
+    close(torch.stack([m(p) for p in x[:4]]), m(x[:4]))
+
+
+def test_symmetric_parameter_gradients_and_bad_input():
+    torch.manual_seed(3)
+    m = Symmetric(FNN(2, 1, 8, 2, scalar=True).double())
+    x = points(25)
+
+    def loss(backend):
+        j = jet(m, x, 2, backend=backend, hessian_pairs=((0, 0),))
+        return (j.jacobian[:, 1] + j.value * j.jacobian[:, 0] - 0.1 * j.d(None, 0, 0)
+                ).pow(2).mean()
+
+    gt = torch.autograd.grad(loss("taylor"), list(m.parameters()))
+    gf = torch.autograd.grad(loss("func"), list(m.parameters()))
+    for a, b in zip(gt, gf, strict=True):
+        close(a, b)
+    with pytest.raises(ValueError, match="parity must be 1"):
+        Symmetric(FNN(2, 1, 4, 1), parity=0)
+    with pytest.raises(ValueError, match="coordinate 2"):
+        Symmetric(FNN(2, 1, 4, 1).double(), axis=2)(x)
+    with pytest.raises(ValueError, match="taylor"):
+        Symmetric(torch.nn.Linear(2, 1).double()).taylor(x)

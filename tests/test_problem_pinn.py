@@ -169,6 +169,48 @@ def test_hard_constraints_through_the_trainer(tmp_path):
             prob.build(Context(cfg, torch.device("cpu"), torch.float32))
 
 
+def test_burgers_odd_symmetry(tmp_path):
+    """symmetry=odd: u(-x, t) = -u(x, t) for any weights, the points on x >= 0, the residual
+    odd too, the model the ansatz around (N(x, t) - N(-x, t))/2; through the trainer the loss
+    falls; a bad value is refused."""
+    prob, mod = module_of(BURGERS)
+    tiny = [s for s in TINY_BURGERS if not s.startswith("constraints=")]
+    cfg = apply_overrides(prob.config(), tiny + ["constraints=hard", "symmetry=odd",
+                                                 "dtype=float64"])
+    ctx = Context(cfg, torch.device("cpu"), torch.float64)
+    torch.manual_seed(0)
+    prob.build(ctx)
+    with torch.no_grad():
+        for p in ctx.model.parameters():
+            p.normal_()
+    x = ctx.data["collocation"].points(0)
+    assert x[:, 0].min() >= 0 and x[:, 0].max() > 0.5
+    mirror = x * torch.tensor([-1.0, 1.0], dtype=x.dtype)
+    with torch.no_grad():
+        assert (ctx.model(mirror) + ctx.model(x)).abs().max() < 1e-14
+        assert (ctx.model(x) + torch.sin(math.pi * x[:, 0])).abs().max() > 1e-2
+    torch.testing.assert_close(prob.pde(ctx, mirror), -prob.pde(ctx, x), rtol=1e-12,
+                               atol=1e-12)
+    torch.testing.assert_close(prob.pde(ctx, x, "func"), prob.pde(ctx, x), rtol=1e-12,
+                               atol=1e-12)   # Gauss-Newton's path
+    fnn = ctx.model.net.net
+    with torch.no_grad():
+        n_odd = 0.5 * (fnn(x) - fnn(mirror))
+        want = -torch.sin(math.pi * x[:, 0]) + x[:, 1] * (1 - x[:, 0] ** 2) * n_odd
+        torch.testing.assert_close(ctx.model(x), want, rtol=1e-13, atol=1e-13)
+    res = train(str(BURGERS), sets=tiny + ["constraints=hard", "symmetry=odd",
+                                           "optimizer=ssbroyden", "qn_iters=20", "warmup=0",
+                                           "dtype=float64", "switch_at=-1"],
+                overrides={"iterations": 6}, out=str(tmp_path / "odd"), quiet=True)
+    c = read_log(res.log_path).columns
+    assert c["loss"][-1] < 0.05 * c["loss"][0] and np.isfinite(c["metric/u_rel_l2"][-1])
+    # the output bias cancels in N(x) - N(-x) (above: odd with a random one): not trained
+    assert not fnn.layers[-1].bias.requires_grad
+    cfg = apply_overrides(prob.config(), tiny + ["constraints=hard", "symmetry=even"])
+    with pytest.raises(ValueError, match="symmetry must be 'none' or 'odd'"):
+        prob.build(Context(cfg, torch.device("cpu"), torch.float64))
+
+
 def kovasznay_context(extra, dtype=torch.float64):
     prob, mod = module_of(KOVASZNAY)
     cfg = apply_overrides(prob.config(), TINY_NS + ["dtype=float64"] + extra)

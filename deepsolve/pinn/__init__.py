@@ -6,7 +6,8 @@
 * :mod:`.networks` — :class:`FNN`, a fully connected network whose input derivatives come
   from one forward pass (Taylor mode, ``backend="taylor"``).
 * :mod:`.ansatz` — hard constraints: :class:`Ansatz` :math:`u = g + b N` (Taylor mode kept by
-  the product rule) and :func:`transfinite`, the Coons lift of boundary values on a rectangle.
+  the product rule), :func:`transfinite`, the Coons lift of boundary values on a rectangle,
+  and :class:`Symmetric`, a network made even or odd under a reflection.
 * :mod:`.geometry` — :class:`Interval`, :class:`Rectangle`, :class:`Box`, :class:`SpaceTime`
   with uniform, Sobol, Halton and Latin-hypercube sampling of interior, boundary and initial
   points, boundary normals.
@@ -35,7 +36,7 @@
 See docs/pinn.md.
 """
 
-from .ansatz import Ansatz, transfinite
+from .ansatz import Ansatz, Symmetric, transfinite
 from .attention import POTENTIALS, ResidualAttention
 from .causal import (
     PAPER_EPS,
@@ -84,7 +85,7 @@ __all__ = [
     "PINNProblem", "Published", "PINN_SETTINGS", "Condition",
     "ResidualAttention", "POTENTIALS", "ATTENTION_SETTINGS",
     "Jet", "jet", "jacobian", "gradient", "hessian", "partial", "laplacian", "divergence",
-    "pointwise", "FNN", "ACTIVATIONS", "Ansatz", "transfinite",
+    "pointwise", "FNN", "ACTIVATIONS", "Ansatz", "Symmetric", "transfinite",
     "Box", "Interval", "Rectangle", "SpaceTime", "unit_samples",
     "Collocation", "residual_magnitude", "select_largest",
     "Weights", "FixedWeights", "AnnealingWeights", "make_weights",

@@ -29,6 +29,21 @@ product rule
 
 The tests compare :meth:`Ansatz.taylor` with ``torch.func`` derivatives of the whole ansatz
 to round-off.
+
+A symmetry of the solution is a constraint of the same kind. :class:`Symmetric` makes any
+network even or odd under the reflection :math:`R` of one coordinate about a plane,
+:math:`(Rx)_a = 2c - x_a`,
+
+.. math::
+
+    N_\pm(x) = \tfrac12\big(N(x) \pm N(Rx)\big),\qquad N_\pm(Rx) = \pm N_\pm(x),
+
+one pass of the network over the points and their mirror images. Its derivatives follow from
+the network's by the chain rule: :math:`\partial_a` of :math:`N(Rx)` changes sign, a second
+derivative :math:`\partial_{ij}` changes sign when exactly one of :math:`i, j` is :math:`a`.
+The residual of an equation that keeps the symmetry (Burgers' equation with an odd initial
+condition: :math:`u_t`, :math:`u u_x`, :math:`u_{xx}` are all odd) then has a definite parity
+too, and collocation points on one side of the plane carry the whole loss.
 """
 
 from __future__ import annotations
@@ -39,7 +54,7 @@ import torch
 
 from .derivatives import jet
 
-__all__ = ["Ansatz", "transfinite"]
+__all__ = ["Ansatz", "Symmetric", "transfinite"]
 
 Lift = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 LiftJet = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
@@ -140,6 +155,71 @@ class Ansatz(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"lift={getattr(self.lift, '__name__', type(self.lift).__name__)}"
+
+
+class Symmetric(torch.nn.Module):
+    r""":math:`\tfrac12(N(x) + \text{parity}\,N(Rx))`, even (``parity=1``) or odd
+    (``parity=-1``) under the reflection of coordinate ``axis`` about ``center``
+    (:math:`(Rx)_a = 2c - x_a`); the module docstring. ``net`` maps points ``(N, d)`` to
+    ``(N, k)`` or ``(N,)``; ``forward`` also takes one point ``(d,)`` (for ``torch.func``),
+    :meth:`taylor` needs a network with a ``taylor`` method (an ``FNN``). With ``parity=-1``
+    a constant in :math:`N` cancels: the network's output bias gets a zero gradient (freeze
+    it, ``requires_grad_(False)``, as problems/burgers_pinn.py does)."""
+
+    def __init__(self, net: torch.nn.Module, axis: int = 0, parity: int = -1,
+                 center: float = 0.0):
+        super().__init__()
+        if parity not in (1, -1):
+            raise ValueError(f"Symmetric: parity must be 1 (even) or -1 (odd), got {parity!r}")
+        if int(axis) < 0:
+            raise ValueError(f"Symmetric: axis must be a coordinate index >= 0, got {axis}")
+        self.net = net
+        self.axis, self.parity, self.center = int(axis), int(parity), float(center)
+        self.scalar = bool(getattr(net, "scalar", False))
+
+    def mirror(self, x: torch.Tensor) -> torch.Tensor:
+        """The reflected points :math:`Rx`, same shape as ``x``."""
+        if x.shape[-1] <= self.axis:
+            raise ValueError(f"Symmetric: points have {x.shape[-1]} coordinates, the "
+                             f"reflection is of coordinate {self.axis}")
+        a = x[..., self.axis:self.axis + 1]
+        return torch.cat([x[..., :self.axis], 2 * self.center - a, x[..., self.axis + 1:]], -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 1:  # one point (torch.func)
+            y = self.net(torch.stack([x, self.mirror(x)]))
+            return 0.5 * (y[0] + self.parity * y[1])
+        n = x.shape[0]
+        y = self.net(torch.cat([x, self.mirror(x)]))
+        return 0.5 * (y[:n] + self.parity * y[n:])
+
+    def taylor(self, x: torch.Tensor, order: int = 2,
+               pairs: Sequence[tuple[int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor,
+                                                                torch.Tensor | None]:
+        """Value ``(N, k)``, Jacobian ``(N, k, d)`` and second derivatives ``(N, k, P)`` for
+        each pair (``None`` for ``order=1``), as :meth:`deepsolve.pinn.FNN.taylor` returns
+        them: one Taylor pass over the points and their mirror images."""
+        taylor = getattr(self.net, "taylor", None)
+        if taylor is None:
+            raise ValueError(f"Symmetric.taylor needs a network with a taylor() method (an "
+                             f"FNN), got {type(self.net).__name__}; use backend='func' or "
+                             f"'autograd'")
+        pairs = [(int(i), int(j)) for i, j in pairs] if order == 2 else []
+        n, a, p = x.shape[0], self.axis, float(self.parity)
+        v, jac, hess = taylor(torch.cat([x, self.mirror(x)]), order, pairs)
+        flip = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+        flip[a] = -1.0
+        value = 0.5 * (v[:n] + p * v[n:])
+        jacobian = 0.5 * (jac[:n] + p * jac[n:] * flip)
+        if hess is None:
+            return value, jacobian, None
+        sign = torch.tensor([(-1.0) ** ((i == a) + (j == a)) for i, j in pairs],
+                            dtype=x.dtype, device=x.device)
+        return value, jacobian, 0.5 * (hess[:n] + p * hess[n:] * sign)
+
+    def extra_repr(self) -> str:
+        kind = "odd" if self.parity < 0 else "even"
+        return f"{kind} in coordinate {self.axis} about {self.center}"
 
 
 def transfinite(f: Callable[[torch.Tensor], torch.Tensor], lo: Sequence[float],
