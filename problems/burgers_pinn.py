@@ -267,7 +267,6 @@ class BurgersPINN(AdamLBFGSTraining, deepsolve.Problem):
             raise ValueError("burgers_pinn: constraints='hard' needs derivatives='autograd' or "
                              "'func' (Taylor mode runs on a bare FNN)")
         if odd:  # the solution is odd in x: so is the network, the points on x >= 0
-            net.layers[-1].bias.requires_grad_(False)  # a constant cancels in N(x) - N(-x)
             net = Symmetric(net, axis=0, parity=-1)
         ctx.model = (HardConstrained(net) if hard else net).to(device=device, dtype=dtype)
         # weights adapt during Adam only: L-BFGS needs one fixed objective

@@ -163,8 +163,8 @@ class Symmetric(torch.nn.Module):
     (:math:`(Rx)_a = 2c - x_a`); the module docstring. ``net`` maps points ``(N, d)`` to
     ``(N, k)`` or ``(N,)``; ``forward`` also takes one point ``(d,)`` (for ``torch.func``),
     :meth:`taylor` needs a network with a ``taylor`` method (an ``FNN``). With ``parity=-1``
-    a constant in :math:`N` cancels: the network's output bias gets a zero gradient (freeze
-    it, ``requires_grad_(False)``, as problems/burgers_pinn.py does)."""
+    a constant in :math:`N` cancels: the network's output bias gets a zero gradient and
+    stays where it starts."""
 
     def __init__(self, net: torch.nn.Module, axis: int = 0, parity: int = -1,
                  center: float = 0.0):
