@@ -137,20 +137,23 @@ def cole_hopf(x, t, nu: float = NU, nodes: int = 200) -> np.ndarray:
     return out.reshape(shape)
 
 
+def _switch(cfg, key: str, off: str, on: str) -> bool:
+    """``True`` when setting ``key`` is ``on``, ``False`` for ``off``; a one-line error for
+    anything else."""
+    name = str(getattr(cfg, key))
+    if name not in (off, on):
+        raise ValueError(f"burgers_pinn: {key} must be {off!r} or {on!r}, got {name!r}")
+    return name == on
+
+
 def _constraints(cfg) -> bool:
-    """``True`` for ``constraints = "hard"``; a one-line error for anything but hard/soft."""
-    name = str(cfg.constraints)
-    if name not in ("soft", "hard"):
-        raise ValueError(f"burgers_pinn: constraints must be 'soft' or 'hard', got {name!r}")
-    return name == "hard"
+    """``True`` for ``constraints = "hard"``."""
+    return _switch(cfg, "constraints", "soft", "hard")
 
 
 def _odd(cfg) -> bool:
-    """``True`` for ``symmetry = "odd"``; a one-line error for anything but none/odd."""
-    name = str(cfg.symmetry)
-    if name not in ("none", "odd"):
-        raise ValueError(f"burgers_pinn: symmetry must be 'none' or 'odd', got {name!r}")
-    return name == "odd"
+    """``True`` for ``symmetry = "odd"``."""
+    return _switch(cfg, "symmetry", "none", "odd")
 
 
 class HardConstrained(torch.nn.Module):

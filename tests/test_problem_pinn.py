@@ -173,7 +173,7 @@ def test_burgers_odd_symmetry(tmp_path):
     """symmetry=odd: u(-x, t) = -u(x, t) for any weights, the points on x >= 0, the residual
     odd too, the model the ansatz around (N(x, t) - N(-x, t))/2; through the trainer the loss
     falls; a bad value is refused."""
-    prob, mod = module_of(BURGERS)
+    prob, _ = module_of(BURGERS)
     tiny = [s for s in TINY_BURGERS if not s.startswith("constraints=")]
     cfg = apply_overrides(prob.config(), tiny + ["constraints=hard", "symmetry=odd",
                                                  "dtype=float64"])
