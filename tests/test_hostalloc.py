@@ -4,11 +4,14 @@ bytes are not), reused warm; tensors it hands out behave as any CPU tensor."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,9 +128,10 @@ torch.manual_seed(0)
 w = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
 x0 = torch.randn(1 << 15, dtype=torch.float64, requires_grad=True)
 step = lambda x, i: x + 0.01 * torch.tanh(w * x)
-st = deepsolve.UnrollStats()
-y = deepsolve.unroll(step, x0, 30, budget="12MiB", stats=st)
-g = torch.autograd.grad(y.sum(), [x0, w])
+for _ in range(2):  # two budgeted calls: the fallback is announced once
+    st = deepsolve.UnrollStats()
+    y = deepsolve.unroll(step, x0, 30, budget="12MiB", stats=st)
+    g = torch.autograd.grad(y.sum(), [x0, w])
 y = x0
 for i in range(30):
     y = step(y, i)
@@ -136,6 +140,19 @@ print(json.dumps(dict(active=hostalloc.active(), why=hostalloc.why_inactive(),
                       plan=st.extra["plan"].describe(),
                       err=max(((a - b).norm() / b.norm()).item() for a, b in zip(g, r)))))
 """
+
+
+def run_child(env: dict[str, str]) -> tuple[dict, str]:
+    """Two budgeted CPU unrolls in a fresh process (a crash is an exit code, not this
+    process's death), every warning shown (``-W always``): what it reports, its stderr."""
+    out = subprocess.run([sys.executable, "-W", "always", "-c", CHILD], capture_output=True,
+                         text=True, env=dict(os.environ, **env), timeout=300)
+    assert out.returncode == 0, f"exit code {out.returncode}: {out.stderr[-2000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_without_a_compiler_deepsolve_falls_back_and_stays_exact(tmp_path):
@@ -154,8 +171,136 @@ def test_without_a_compiler_deepsolve_falls_back_and_stays_exact(tmp_path):
 
 def test_build_is_atomic_and_cached(tmp_path):
     path = hostalloc.build(tmp_path / "lib.so")
-    assert path.exists() and [p.name for p in tmp_path.iterdir()] == ["lib.so"]
+    assert path.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lib.so", "lib.so.sha256"]
+    digest, name = (tmp_path / "lib.so.sha256").read_text().split()  # sha256sum's format
+    assert name == "lib.so" and digest == sha256(path)
     assert hostalloc.library_path().name.startswith(f"hostalloc-torch{torch.__version__}")
+
+
+def test_build_fsyncs_the_library_its_checksum_and_the_directory(tmp_path, monkeypatch):
+    """A crash after the rename must not leave a renamed but unwritten file: the library
+    and its checksum are fsynced before their renames, the directory after them."""
+    synced = []
+    fsync = os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    hostalloc.build(tmp_path / "lib.so")
+    temps = [Path(p) for p in synced if Path(p).parent == tmp_path]
+    assert len(temps) == 2 and all(p.name.startswith(".lib.so.") for p in temps)
+    assert temps[1].name.endswith(".sha256.tmp") and synced[-1] == str(tmp_path)
+
+
+def test_a_failed_build_names_the_compiler_and_its_last_line(tmp_path, monkeypatch):
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\necho 'compiling' >&2\necho 'fatal: out of cheese' >&2\nexit 3\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cc))
+    with pytest.raises(RuntimeError) as e:
+        hostalloc.build(tmp_path / "out" / "lib.so")
+    assert str(e.value).startswith(f"compiling deepsolve's host allocator failed: {cc} exited "
+                                   "with code 3: fatal: out of cheese; install")
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(RuntimeError, match=r"/bin/false exited with code 1 and no output; "):
+        hostalloc.build(tmp_path / "out" / "lib.so")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler '.*no-such-c\+\+' found"):
+        hostalloc.build(tmp_path / "out" / "lib.so")
+    assert os.listdir(tmp_path / "out") == []  # nothing half-written left behind
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """This PyTorch's library and its checksum, built once for the module."""
+    d = tmp_path_factory.mktemp("built")
+    path = hostalloc.build(d / hostalloc.library_path().name)
+    return path, path.with_name(path.name + ".sha256")
+
+
+def _half(b: bytes) -> bytes:
+    return b[:len(b) // 2]
+
+
+def _flip(b: bytes) -> bytes:
+    mid = len(b) // 2
+    return b[:mid] + bytes([b[mid] ^ 0xFF]) + b[mid + 1:]
+
+
+@pytest.mark.parametrize("damage", [_half, lambda b: b"", _flip, None, "record"],
+                         ids=["truncated to half", "empty", "a byte flipped",
+                              "no checksum", "checksum of another build"])
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(built, tmp_path, damage):
+    """A cached library truncated (a full disk, a crash before its blocks reached the disk:
+    loading it killed every budgeted run with SIGBUS), emptied (it silently disabled the
+    allocator for good), with a byte changed, without its checksum (an older deepsolve's
+    cache), or recorded with another build's checksum (a rename race): the next budgeted
+    run rebuilds it, atomically, and runs with the allocator."""
+    lib, record = built
+    path = tmp_path / lib.name
+    shutil.copy(lib, path)
+    if damage is None:
+        pass
+    elif damage == "record":
+        path.with_name(path.name + ".sha256").write_text(f"{'0' * 64}  {path.name}\n")
+    else:
+        shutil.copy(record, tmp_path)
+        path.write_bytes(damage(lib.read_bytes()))
+    r, _ = run_child({"DEEPSOLVE_CACHE_DIR": str(tmp_path)})
+    assert r["active"] and r["err"] <= 1e-10, r
+    assert path.read_bytes() == lib.read_bytes()  # rebuilt (the compiler is deterministic)
+    assert path.with_name(path.name + ".sha256").read_text() == record.read_text()
+    assert sorted(os.listdir(tmp_path)) == [path.name, path.name + ".sha256"]
+
+
+def test_processes_that_build_at_once_all_get_the_allocator(tmp_path):
+    """Three processes start with an empty cache: one builds (the others wait on the
+    directory's lock and load what it built), none loads a half-written library."""
+    env = dict(os.environ, DEEPSOLVE_CACHE_DIR=str(tmp_path))
+    code = "from deepsolve.memory import hostalloc; print(hostalloc.install())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in outs]
+    assert [o.strip() for o, _ in outs] == ["True"] * 3
+    name = hostalloc.library_path().name
+    assert sorted(os.listdir(tmp_path)) == [name, name + ".sha256"]
+
+
+def _announced(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "HostAllocatorWarning" in line]
+
+
+@pytest.mark.parametrize("setting", ["CXX=/bin/false", "CXX=no-such-c++",
+                                     "cache dir under a file"])
+def test_the_fallback_is_announced_once_with_its_reason_cost_and_fix(tmp_path, setting):
+    """No compiler, or a cache directory that cannot be created (a path under a regular file:
+    chmod does not stop root): one line over two budgeted unrolls, which says why, what it
+    costs and what to do; the gradients exact as before."""
+    if setting.startswith("CXX="):
+        env = {"CXX": setting[4:], "DEEPSOLVE_CACHE_DIR": str(tmp_path)}
+        why, fix = "compiling deepsolve's host allocator failed: ", "fix: install "
+    else:
+        (tmp_path / "file").write_text("")
+        env = {"DEEPSOLVE_CACHE_DIR": str(tmp_path / "file" / "cache")}
+        why, fix = "cache directory", "fix: set DEEPSOLVE_CACHE_DIR to a writable directory"
+    r, stderr = run_child(env)
+    assert not r["active"] and r["err"] <= 1e-10
+    lines = _announced(stderr)
+    assert len(lines) == 1, stderr[-3000:]
+    assert why in lines[0] and fix in lines[0]
+    assert "CPU budgets fall back to glibc's fixed thresholds, measured" in lines[0]
+    assert "(docs/budget.md)" in lines[0] and "DEEPSOLVE_HOST_ALLOCATOR=0" in lines[0]
+
+
+def test_no_announcement_when_turned_off_on_purpose(tmp_path):
+    r, stderr = run_child({"DEEPSOLVE_HOST_ALLOCATOR": "0", "CXX": "/bin/false",
+                           "DEEPSOLVE_CACHE_DIR": str(tmp_path)})
+    assert not r["active"] and r["why"] == "DEEPSOLVE_HOST_ALLOCATOR=0"
+    assert _announced(stderr) == [] and "host allocator" not in stderr
 
 
 def test_a_budgeted_unroll_sets_the_limit_to_live_plus_budget(budget_mode):

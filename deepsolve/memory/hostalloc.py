@@ -16,8 +16,13 @@ CPU budget has two problems that CUDA's caching allocator does not have:
   time 10 s), 1.4–2.3× on a convolutional one.
 
 This module installs a small C++ allocator (``_hostalloc.cpp``, compiled on first use with
-the system's C++ compiler against the installed PyTorch's headers and cached under
-``~/.cache/deepsolve``) as PyTorch's CPU allocator. It
+the system's C++ compiler — ``CXX``, else ``c++`` — against the installed PyTorch's headers
+and cached under ``$DEEPSOLVE_CACHE_DIR``, else ``~/.cache/deepsolve``) as PyTorch's CPU
+allocator. The cached library is written atomically beside its sha256 (``<library>.sha256``:
+each a temporary file in the same directory, fsynced and renamed, the directory fsynced, one
+building process at a time under a lock on the directory), and the checksum is verified
+before the library is loaded: a truncated or damaged library — mapping one kills the process
+with SIGBUS — or one without its checksum is rebuilt, never loaded. It
 
 * counts the usable size of every block it hands out (``malloc_usable_size``: the request
   plus the C library's rounding) — :func:`live` and :func:`peak`, the CPU counterpart of
@@ -36,8 +41,11 @@ The budget layer calls :func:`set_limit` at the start of each budgeted CPU call 
 ``live() + budget``: the cache is emptied first, so the resident set a call starts from
 holds no cached blocks, and it stays bounded by the limit afterwards.
 :func:`install` returns ``False`` — and deepsolve falls back to the profiler and to fixed
-glibc thresholds — where there is no C++ compiler, no glibc (macOS), or when the
-environment variable ``DEEPSOLVE_HOST_ALLOCATOR=0`` is set.
+glibc thresholds — where there is no C++ compiler, the cache directory cannot be written,
+the library does not load, there is no glibc (macOS), or when the environment variable
+``DEEPSOLVE_HOST_ALLOCATOR=0`` is set. Except for the last two, the fallback is announced
+once per process by a :class:`HostAllocatorWarning`: the reason, the cost and the fix in one
+line (:func:`why_inactive` holds the reason).
 """
 
 from __future__ import annotations
@@ -46,15 +54,18 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["install", "active", "live", "peak", "mapped", "reset_peak", "set_limit", "stats",
            "mapping",
-           "library_path", "build", "BIG_FROM", "why_inactive"]
+           "library_path", "build", "BIG_FROM", "why_inactive", "HostAllocatorWarning"]
 
 BIG_FROM = 64 * 1024
 """Bytes from which a block is mapped and cached under a budget."""
@@ -63,6 +74,22 @@ _SOURCE = Path(__file__).with_name("_hostalloc.cpp")
 _lib: ctypes.CDLL | None = None
 _tried = False
 _why = ""
+
+
+class HostAllocatorWarning(RuntimeWarning):
+    """deepsolve's host allocator could not be installed and CPU budgets fall back to glibc's
+    thresholds (issued once per process, not where ``DEEPSOLVE_HOST_ALLOCATOR=0``)."""
+
+
+class _Unavailable(RuntimeError):
+    """Why the allocator cannot be built or loaded (``what``) and what to do (``fix``)."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        super().__init__(f"{what}; {fix}")
+        self.what, self.fix = what, fix
+
+
+_CACHE_FIX = "set DEEPSOLVE_CACHE_DIR to a writable directory"
 
 
 def _cache_dir() -> Path:
@@ -91,35 +118,179 @@ def library_path() -> Path:
     return _cache_dir() / f"hostalloc-torch{version}-{tag}-{key}.so"
 
 
-def build(path: Path | None = None) -> Path:
-    """Compile ``_hostalloc.cpp`` into ``path`` (default :func:`library_path`); atomic, so
-    processes that build at the same moment do not see a half-written file. Raises
-    ``RuntimeError`` with the compiler's last line when it fails. ``make`` builds it ahead
-    of use: ``python -c "from deepsolve.memory import hostalloc; hostalloc.build()"``."""
-    path = library_path() if path is None else path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    flags, _ = _flags()
-    cxx = os.environ.get("CXX", "c++")
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
+def _checksum_path(path: Path) -> Path:
+    """The file that records the sha256 of the library at ``path`` (``sha256sum`` format)."""
+    return path.with_name(path.name + ".sha256")
+
+
+def _recorded(path: Path) -> str | None:
     try:
-        out = subprocess.run([cxx, str(_SOURCE), "-o", tmp, *flags], capture_output=True,
-                             text=True, timeout=300)
-        if out.returncode != 0:
-            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"compiling deepsolve's host allocator failed: {last}")
-        os.replace(tmp, path)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise RuntimeError(f"compiling deepsolve's host allocator failed: {e}") from None
+        words = _checksum_path(path).read_text(encoding="ascii").split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    digest = words[0] if words else ""
+    return digest if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest) \
+        else None
+
+
+def _verified(path: Path) -> bool:
+    """Whether the library at ``path`` is whole: its sha256 is the one its build recorded
+    (``<library>.sha256``). A truncated or damaged library, or one without a record, is
+    not loaded (mapping it can kill the process with SIGBUS) but rebuilt."""
+    expected = _recorded(path)
+    if expected is None:
+        return False
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    return hashlib.sha256(data).hexdigest() == expected
+
+
+def _make_dir(d: Path) -> None:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _Unavailable(f"the cache directory {d} of deepsolve's host allocator cannot be "
+                           f"created ({e.strerror or e})", _CACHE_FIX) from None
+
+
+@contextlib.contextmanager
+def _locked(d: Path) -> Iterator[int | None]:
+    """The directory ``d`` locked (``flock``) against other processes building into it, and
+    its descriptor (for ``fsync``; ``None`` where it cannot be opened). Best effort: where
+    the file system has no locks, the checksum still keeps a mixed pair from being loaded."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        yield None
+        return
+    try:
+        import fcntl
+
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.close(fd)  # releases the lock
+
+
+def _compiler() -> tuple[str, list[str]]:
+    words = shlex.split(os.environ.get("CXX") or "c++")
+    exe = shutil.which(words[0]) if words else None
+    if exe is None:
+        name = words[0] if words else ""
+        raise _Unavailable(f"compiling deepsolve's host allocator failed: no C++ compiler "
+                           f"{name!r} found (CXX, else c++ on PATH)",
+                           "install g++ or clang++, or set CXX to one")
+    return exe, words[1:]
+
+
+def _compile_into(path: Path, dir_fd: int | None) -> None:
+    """Compile into a temporary file beside ``path``, fsync it, record its sha256 beside it
+    the same way, rename both into place and fsync the directory."""
+    exe, extra = _compiler()
+    flags, _ = _flags()
+    fix = "install a working C++ compiler (g++ or clang++) or set CXX to one"
+    temps: list[str] = []
+    try:
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            temps.append(tmp)
+        except OSError as e:
+            raise _Unavailable(f"the cache directory {path.parent} of deepsolve's host "
+                               f"allocator is not writable ({e.strerror or e})",
+                               _CACHE_FIX) from None
+        try:
+            out = subprocess.run([exe, *extra, str(_SOURCE), "-o", tmp, *flags],
+                                 capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            raise _Unavailable(f"compiling deepsolve's host allocator failed: {exe} ran for "
+                               "more than 300 s", fix) from None
+        except OSError as e:
+            raise _Unavailable(f"compiling deepsolve's host allocator failed: {exe}: "
+                               f"{e.strerror or e}", fix) from None
+        if out.returncode != 0:
+            lines = [s.strip() for s in (out.stdout + "\n" + out.stderr).splitlines()
+                     if s.strip()]
+            tail = f": {lines[-1]}" if lines else " and no output"
+            raise _Unavailable(f"compiling deepsolve's host allocator failed: {exe} exited "
+                               f"with code {out.returncode}{tail}", fix)
+        with open(tmp, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+            os.fsync(f.fileno())
+        fd, tmp_sum = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".sha256.tmp",
+                                       dir=path.parent)
+        temps.append(tmp_sum)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(f"{digest}  {path.name}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp_sum, 0o644)
+        # the library first: between the two renames, and after a crash between them, the
+        # pair does not match and the next process rebuilds rather than loads
+        os.replace(tmp, path)
+        os.replace(tmp_sum, _checksum_path(path))
+        temps.clear()
+        if dir_fd is not None:
+            with contextlib.suppress(OSError):  # file systems that cannot sync a directory
+                os.fsync(dir_fd)
+    except OSError as e:
+        raise _Unavailable(f"writing deepsolve's host allocator to {path.parent} failed "
+                           f"({e.strerror or e})", _CACHE_FIX) from None
+    finally:
+        for t in temps:
+            with contextlib.suppress(OSError):
+                os.unlink(t)
+
+
+def build(path: Path | None = None) -> Path:
+    """Compile ``_hostalloc.cpp`` into ``path`` (default :func:`library_path`) and record its
+    sha256 in ``<library>.sha256``; both written atomically (a temporary file in the same
+    directory, fsynced, renamed; the directory fsynced), one process at a time (a lock on
+    the directory), so no process ever sees a half-written library. Raises ``RuntimeError``
+    in one line (the compiler's path and the last line of its output, or the cache
+    directory that cannot be written) when it fails. ``make`` builds it ahead of use:
+    ``python -c "from deepsolve.memory import hostalloc; hostalloc.build()"``."""
+    path = library_path() if path is None else Path(path)
+    _make_dir(path.parent)
+    with _locked(path.parent) as dir_fd:
+        _compile_into(path, dir_fd)
     return path
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """The library at ``path``, loaded only once its checksum matches; built (or rebuilt:
+    damaged, without a record, or not loadable) under the directory's lock otherwise."""
+    failed: OSError | None = None
+    if _verified(path):
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError as e:  # whole but not loadable (libraries changed under it): rebuilt
+            failed = e
+    _make_dir(path.parent)
+    with _locked(path.parent) as dir_fd:
+        if failed is None and _verified(path):  # another process built it meanwhile
+            return _open(path)
+        _compile_into(path, dir_fd)
+        return _open(path)
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        raise _Unavailable(f"loading deepsolve's host allocator failed: {e}",
+                           "check that CXX builds for this Python's PyTorch (its C++ "
+                           "library and ABI)") from None
 
 
 def install() -> bool:
     """Install the allocator as PyTorch's CPU allocator (once per process; built on first
-    use). ``False`` where it cannot be (see :func:`why_inactive`)."""
+    use, rebuilt where the cached library is damaged). ``False`` where it cannot be (see
+    :func:`why_inactive`); unless turned off with ``DEEPSOLVE_HOST_ALLOCATOR=0``, the
+    fallback is announced once per process with a :class:`HostAllocatorWarning`."""
     global _lib, _tried, _why
     if _tried:
         return _lib is not None
@@ -129,15 +300,18 @@ def install() -> bool:
         _why = "DEEPSOLVE_HOST_ALLOCATOR=0"
         return False
     if not sys.platform.startswith("linux"):
-        _why = f"not Linux ({sys.platform})"
+        _why = f"not Linux ({sys.platform})"  # documented, and nothing to fix: not announced
         return False
     try:
-        path = library_path()
-        if not path.exists():
-            build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError) as e:
+        lib = _load(library_path())
+    except _Unavailable as e:
         _why = str(e)
+        _announce(e.what, e.fix)
+        return False
+    except OSError as e:  # its source not readable: a broken installation
+        what = f"deepsolve's host allocator cannot be built: {e}"
+        _why = what
+        _announce(what, "reinstall deepsolve")
         return False
     lib.ds_install.restype = ctypes.c_int
     lib.ds_set_limit.argtypes = [ctypes.c_int64]
@@ -148,10 +322,27 @@ def install() -> bool:
     lib.ds_mapped.restype = ctypes.c_int64
     lib.ds_set_big_from(BIG_FROM)
     if lib.ds_install() != 1:
-        _why = "another CPU allocator of higher priority is installed"
+        what = ("deepsolve's host allocator cannot be installed: another CPU allocator of "
+                "higher priority is")
+        _why = what
+        _announce(what, "do not install another CPU allocator in a process that uses CPU "
+                        "budgets")
         return False
     _lib = lib
     return True
+
+
+def _announce(what: str, fix: str) -> None:
+    """The fallback in one line: why, what it costs, what to do (once: install runs once)."""
+    if os.environ.get("DEEPSOLVE_MALLOPT", "1").strip().lower() in ("0", "false", "no", "off"):
+        cost = ("CPU budgets fall back to glibc's defaults (DEEPSOLVE_MALLOPT=0), which do "
+                "not hold the resident set to the budget")
+    else:
+        cost = ("CPU budgets fall back to glibc's fixed thresholds, measured 1.2-3.6x the "
+                "host allocator's CPU time on budgeted unrolls (docs/budget.md)")
+    warnings.warn(f"{what}: {cost}; fix: {fix}, or set DEEPSOLVE_HOST_ALLOCATOR=0 to accept "
+                  "the fallback",
+                  HostAllocatorWarning, stacklevel=3)
 
 
 def active() -> bool:
