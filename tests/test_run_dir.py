@@ -436,6 +436,20 @@ def _rng(state):
     return state
 
 
+def _np_rng(index, value):
+    def change(state):
+        state["rng"]["numpy"][index] = value
+        return state
+    return change
+
+
+def _py_rng(index, value):
+    def change(state):
+        state["rng"]["python"][index] = value
+        return state
+    return change
+
+
 def _opt_groups(state):
     state["optimizer"]["param_groups"] = []
     return state
@@ -465,14 +479,15 @@ BAD_RESTARTS = [
     ("extra model key", _model(lambda m: m.update(extra=torch.zeros(1))), "unexpected extra"),
     ("model shape", _model(lambda m: m.update(rate=torch.zeros(3))),
      r"shape rate \(3,\) in the restart, \(\) in the model"),
-    ("wrong rng", _rng, "the RNG state does not fit"),
+    ("wrong rng", _rng, "'rng.torch' holds 10 bytes, not the 5056"),
     ("no model", _drop("model"), "not a complete restart file: no 'model'"),
     ("no rng", _drop("rng"), "no 'rng'"),
     ("no optimizer", _drop("optimizer"), "no 'optimizer'"),
     ("model not a dict", _set("model", 3), "'model' is a int, not a dict"),
     ("rng not a dict", _set("rng", [1, 2]), "'rng' is a list, not a dict"),
-    ("optimizer groups", _opt_groups, "0 parameter group"),
-    ("optimizer moments", _opt_shape, r"exp_avg of parameter 0 has shape \(3,\)"),
+    ("optimizer groups", _opt_groups, "state for parameter 0, which no parameter group holds"),
+    ("optimizer moments", _opt_shape,
+     r"parameter 0 has moments of different shapes \(exp_avg \(3,\), exp_avg_sq \(\)\)"),
     ("negative iteration", _set("iteration", -5), "'iteration' is -5"),
     ("string iteration", _set("iteration", "3"), "'iteration' is str 3, not an integer"),
     ("iteration past the log", _set("iteration", 9), "is at iteration 9 but .* has 6 rows"),
@@ -492,9 +507,46 @@ BAD_RESTARTS = [
      "exp_avg_sq of parameter 0 is negative"),
     ("nan moment", _opt_state("exp_avg", torch.tensor(float("nan"))),
      "exp_avg of parameter 0 is not finite"),
-    ("unknown parameter", _group("params", [7]), "parameter mapping 7 is not the optimizer's 0"),
+    ("unknown parameter", _group("params", [7]), "state for parameter 0, which no parameter"),
+    ("unknown parameter with its state",
+     lambda s: _group("params", [7])({**s, "optimizer": {**s["optimizer"], "state": {
+         7: s["optimizer"]["state"][0]}}}), "parameter mapping 7 is not the optimizer's 0"),
     ("nan model", _model(lambda m: m.update(rate=torch.tensor(float("nan")))),
      "the model state's rate holds NaN"),
+    # every field checked when the file is read, before anything is changed (a config of
+    # '{' and a numpy RNG position of -1 were resumed from)
+    ("config not JSON", _set("config", "{"), "'config' is not JSON"),
+    ("config not an object", _set("config", "[1, 2]"), "'config' is a JSON list"),
+    ("numpy rng pos -1", _np_rng(2, -1), r"'rng.numpy' pos is -1, not in 0..624"),
+    ("numpy rng pos 625", _np_rng(2, 625), r"'rng.numpy' pos is 625, not in 0..624"),
+    ("numpy rng short key", _np_rng(1, torch.zeros(5, dtype=torch.int64)),
+     r"'rng.numpy' key is a torch.int64 tensor of shape \(5,\), not 624"),
+    ("numpy rng key out of range", _np_rng(1, torch.full((624,), 2**32)),
+     r"'rng.numpy' key has values outside \[0, 2\*\*32\)"),
+    ("numpy rng name", _np_rng(0, "PCG64"), "'rng.numpy' names the generator 'PCG64'"),
+    ("numpy rng gauss", _np_rng(4, float("nan")), "'rng.numpy' gauss is nan"),
+    ("numpy rng not a list", lambda s: _set("rng", {**s["rng"], "numpy": 5})(s),
+     "'rng.numpy' is int 5"),
+    ("python rng position", _py_rng(-2, 700), r"'rng.python' position is 700, not in 0..624"),
+    ("python rng version", _py_rng(-1, 2), "'rng.python' version is 2, not 3"),
+    ("python rng word", _py_rng(0, -1), r"'rng.python' has state words outside \[0, 2\*\*32\)"),
+    ("generator state dtype", lambda s: _set("rng", {**s["rng"], "generator": torch.zeros(
+        5056)})(s), "'rng.generator' is a torch.float32 tensor"),
+    ("cuda state", lambda s: _set("rng", {**s["rng"], "cuda": [3]})(s),
+     r"'rng.cuda\[0\]' is a int, not a uint8 tensor"),
+    ("nan elapsed", _set("elapsed", float("nan")), "'elapsed' is nan, not a finite number"),
+    ("negative elapsed", _set("elapsed", -1.0), "'elapsed' is -1.0, not a finite number"),
+    ("bad sha", _set("problem_sha256", "abc"), "'problem_sha256' is 'abc', not a SHA-256"),
+    ("unknown stop reason", _set("stopped", "bored"), "'stopped' is 'bored', not a reason"),
+    ("target without its level", lambda s: _set("stopped_by", "loss:x")(
+        _set("stopped", "target loss 1e-3 <= 0.01")(s)), "'stopped_by' is 'loss:x'"),
+    ("model entry not a tensor", _model(lambda m: m.update(rate="0.5")),
+     "'model' entry 'rate' is a str, not a tensor"),
+    ("parameter named twice", _group("params", [0, 0]), "'optimizer' names parameter 0 twice"),
+    ("step of many counts", _opt_state("step", torch.zeros(3)),
+     r"'optimizer' step of parameter 0 is a tensor of shape \(3,\)"),
+    ("scheduler epoch", _set("scheduler", {"last_epoch": -5}),
+     "'scheduler' last_epoch is -5, not an integer >= -1"),
 ]
 
 
@@ -508,13 +560,38 @@ def test_restart_files_that_do_not_fit_give_one_line(finished, tmp_path, capsys,
 
     out = _copy(finished, tmp_path, change)
     before = (out / "log.h5").read_bytes()
+    restart = (out / "restart.pt").read_bytes()
+    names = sorted(p.name for p in out.iterdir())
     capsys.readouterr()
     assert train(out, "--iterations", 12, "--resume") == 2
     msg = one_line_error(capsys)
     assert re.search(match, msg), msg
     assert "restart.pt" in msg
     assert (out / "log.h5").read_bytes() == before
+    assert (out / "restart.pt").read_bytes() == restart
+    assert sorted(p.name for p in out.iterdir()) == names
     assert iterations(out) == list(range(6))
+
+
+@pytest.mark.parametrize("name,change,match", [
+    ("config", _set("config", "{"), "'config' is not JSON"),
+    ("numpy pos", _np_rng(2, -1), r"'rng.numpy' pos is -1, not in 0..624"),
+    ("elapsed", _set("elapsed", float("inf")), "'elapsed' is inf"),
+    ("optimizer step", _opt_state("step", torch.tensor(-1.0)), "step of parameter 0 is negative"),
+], ids=["config", "numpy pos", "elapsed", "optimizer step"])
+def test_a_restart_file_is_checked_whole_when_it_is_read(finished, tmp_path, name, change,
+                                                         match):
+    """load_restart itself refuses a tampered field, before any run is built or file
+    touched: one line naming the field and the file, saying what to do."""
+    from deepsolve.training.restart import RestartError, load_restart
+
+    out = _copy(finished, tmp_path, change)
+    with pytest.raises(RestartError, match=match) as e:
+        load_restart(str(out / "restart.pt"))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(out / "restart.pt"))
+    assert "move it away to start the run over" in msg
+    assert load_restart(str(_copy(finished, tmp_path / "good") / "restart.pt"))["iteration"] == 6
 
 
 def test_garbage_restart_file(finished, tmp_path, capsys):

@@ -26,7 +26,7 @@ import torch
 from ..config import RunConfig
 from ..problem import Context, Problem
 from .progress import note
-from .rng import check_rng_state, rng_state, set_rng_state
+from .rng import check_rng_state, rng_state, rng_state_problem, set_rng_state
 
 __all__ = ["RestartError", "save_restart", "load_restart", "restore", "changed_settings",
            "settings_dict", "remove_quietly"]
@@ -144,12 +144,140 @@ def load_restart(path: str) -> dict[str, Any]:
     if k < 0:
         raise RestartError(f"{path}: 'iteration' is {k}; a restart file's iteration is >= 0")
     state["iteration"] = int(k)
+    bad = _field_problem(state)
+    if bad:
+        raise RestartError(f"{path}: {bad}: the file is damaged or was edited; put back the "
+                           "one the run wrote, or move it away to start the run over")
     steps = _optimizer_steps(state["optimizer"])
     if steps is not None and steps > k:
         raise RestartError(f"{path}: 'iteration' is {k} but the optimizer has taken {steps} "
                            "steps (one per iteration): the file's fields do not belong "
                            "together")
     return state
+
+
+def _shown(v: Any) -> str:
+    """``v`` for an error message: its repr on one line, at most 40 characters."""
+    return " ".join(repr(v).split())[:40]
+
+
+def _field_problem(state: Mapping[str, Any]) -> str | None:
+    """What is wrong with a restart file's fields taken on their own (before the run is
+    known), naming the field; ``None`` when every field is well formed. The required fields
+    and the types of the optional ones were checked before; here: the model's entries are
+    tensors; the optimizer's groups, parameter ids and per-parameter state (step counts
+    >= 0, moments finite, one shape per parameter); the scheduler's counters; the RNG
+    states (:func:`.rng.rng_state_problem`); ``config`` the JSON object of the settings;
+    ``problem_sha256`` a SHA-256; ``elapsed`` finite and >= 0; ``stopped`` and
+    ``stopped_by`` a reason the trainer writes."""
+    for k, v in state["model"].items():
+        if not isinstance(k, str):
+            return f"'model' has a key {_shown(k)}, not a parameter or buffer name"
+        if not isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):
+            return f"'model' entry {k!r} is a {type(v).__name__}, not a tensor"
+    why = _optimizer_problem(state["optimizer"])
+    if why:
+        return why
+    sched = state.get("scheduler") or {}
+    for key, low in (("last_epoch", -1), ("_step_count", 0)):
+        if key in sched:
+            n = _scalar(sched[key])
+            if isinstance(n, bool) or not isinstance(n, int) or n < low:
+                return f"'scheduler' {key} is {_shown(sched[key])}, not an integer >= {low}"
+    why = rng_state_problem(state["rng"])
+    if why:
+        return why
+    if "config" in state:
+        try:
+            cfg = json.loads(state["config"])
+        except ValueError as e:
+            return (f"'config' is not JSON ({_shown(state['config'])}: "
+                    f"{str(e).split(':')[0]})")
+        if not isinstance(cfg, dict):
+            return f"'config' is a JSON {type(cfg).__name__}, not the object of the settings"
+    sha = state.get("problem_sha256")
+    if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha)):
+        return f"'problem_sha256' is {_shown(sha)}, not a SHA-256 (64 hex digits)"
+    if "elapsed" in state:
+        t = state["elapsed"]
+        if isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            return f"'elapsed' is {_shown(t)}, not a finite number of seconds >= 0"
+    return _stopped_problem(state.get("stopped", ""), state.get("stopped_by", ""))
+
+
+def _stopped_problem(reason: str, by: str) -> str | None:
+    """Why ``stopped`` / ``stopped_by`` are not what :meth:`.stopping.Stopping.state`
+    writes: ``""`` and ``""``; ``"target NAME VALUE <= LEVEL"`` and ``"NAME:LEVEL"``;
+    ``"time_limit M min"`` and the limit in seconds."""
+    if reason == "":
+        return None if by == "" else f"'stopped_by' is {_shown(by)} but 'stopped' is empty"
+    if reason.startswith("target "):
+        name, _, level = by.rpartition(":")
+        try:
+            ok = bool(name) and math.isfinite(float(level)) and float(level) > 0
+        except ValueError:
+            ok = False
+        return None if ok else (f"'stopped_by' is {_shown(by)}, not the NAME:LEVEL of the "
+                                "target the run reached")
+    if reason.startswith("time_limit "):
+        try:
+            ok = math.isfinite(float(by)) and float(by) > 0
+        except ValueError:
+            ok = False
+        return None if ok else (f"'stopped_by' is {_shown(by)}, not the time limit in "
+                                "seconds (> 0)")
+    return f"'stopped' is {_shown(reason)}, not a reason the trainer writes (target, time_limit)"
+
+
+def _optimizer_problem(opt: Mapping, name: str = "optimizer") -> str | None:
+    """What is wrong with a ``torch.optim`` state dict on its own: ``param_groups`` a list
+    of dicts whose ``params`` are distinct integer ids >= 0, ``state`` a dict of those ids
+    to dicts, each with a step count >= 0, finite moments (second moments >= 0) of one
+    shape. An optimizer of its own that nests such state dicts (Adam then L-BFGS) has each
+    checked (``name``: where, for the message); :func:`restore` compares all of them with
+    the optimizer."""
+    if "param_groups" not in opt and "state" not in opt:
+        for key, sub in opt.items():
+            why = _optimizer_problem(sub, f"{name}.{key}") if isinstance(sub, Mapping) else None
+            if why:
+                return why
+        return None
+    groups, st = opt.get("param_groups"), opt.get("state")
+    if not isinstance(groups, list) or not isinstance(st, Mapping):
+        return f"'{name}' has no 'param_groups' list and 'state' dict"
+    ids: list[int] = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, Mapping) or not isinstance(g.get("params"), list):
+            return f"'{name}' parameter group {i} has no 'params' list"
+        for pid in g["params"]:
+            if isinstance(pid, bool) or not isinstance(pid, int) or pid < 0:
+                return (f"'{name}' parameter group {i} names the parameter {_shown(pid)}, "
+                        "not an id >= 0")
+            ids.append(pid)
+    if len(set(ids)) != len(ids):
+        twice = sorted({p for p in ids if ids.count(p) > 1})
+        return f"'{name}' names parameter {_names([str(p) for p in twice])} twice"
+    for pid, entry in st.items():
+        if pid not in set(ids):
+            return (f"'{name}' has state for parameter {_shown(pid)}, which no parameter "
+                    "group holds")
+        if not isinstance(entry, Mapping):
+            return (f"'{name}' state of parameter {pid} is a {type(entry).__name__}, not "
+                    "a dict")
+        step = entry.get("step")
+        if isinstance(step, torch.Tensor) and step.numel() != 1:
+            return (f"'{name}' step of parameter {pid} is a tensor of shape "
+                    f"{tuple(step.shape)}, not one count")
+        why = _bad_param_state(entry, pid, "")
+        if why:
+            detail = why.removeprefix("the optimizer's ")
+            return f"'{name}' {detail}"
+        shapes = {k: tuple(v.shape) for k, v in entry.items()
+                  if k in _PARAM_SHAPED and isinstance(v, torch.Tensor)}
+        if len(set(shapes.values())) > 1:
+            return (f"'{name}' state of parameter {pid} has moments of different shapes "
+                    f"({', '.join(f'{k} {v}' for k, v in shapes.items())})")
+    return None
 
 
 def _optimizer_steps(opt_state: Mapping) -> int | None:
