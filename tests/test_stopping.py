@@ -103,10 +103,98 @@ def test_a_level_alone_names_the_problems_target_metric(tmp_path):
 
 def test_an_unknown_target_name_fails_in_one_line_and_leaves_nothing(tmp_path):
     out = tmp_path / "run"
-    with pytest.raises(ProblemError, match="no metric 'u_err'.*rate_error") as e:
+    with pytest.raises(ProblemError, match="no loss term or metric 'u_err'; name one of loss, "
+                                           "loss/misfit, loss/prior, rate_error") as e:
         train(TINY, overrides={"target": "u_err:1e-3"}, out=str(out), quiet=True)
     assert "\n" not in str(e.value)
     assert not out.exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_target_naming_a_loss_term_the_problem_lacks_fails_before_the_first_iteration(
+        tmp_path, capsys):
+    """``--set target=loss/<a term the problem lacks>:1e-3`` was accepted and never stopped
+    the run. The terms are known from one evaluation of the residuals before training: the
+    name fails there, in one line listing the names there are, before a log is written
+    (a fresh run leaves no directory; a resumed one leaves its files as they were)."""
+    out = tmp_path / "run"
+    with pytest.raises(ProblemError) as e:
+        train(TINY, overrides={"target": "loss/pde:1e-3"}, out=str(out), quiet=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "no loss term 'loss/pde'" in msg, msg
+    assert "name one of loss, loss/misfit, loss/prior, rate_error" in msg, msg
+    assert not out.exists()
+    # a term's bare name, and the log's column name of a metric: said what they mean
+    with pytest.raises(ProblemError, match=r"'misfit' \(did you mean loss/misfit\?\)"):
+        train(TINY, overrides={"target": "misfit:1e-3"}, out=str(out), quiet=True)
+    with pytest.raises(ProblemError, match=r"'metric/rate_error' \(did you mean rate_error\?\)"):
+        train(TINY, overrides={"target": "metric/rate_error:1e-3"}, out=str(out), quiet=True)
+    assert not out.exists()
+    # the command line: exit code 2, one line
+    capsys.readouterr()
+    assert main(["train", TINY, "--out", str(out), "--quiet", "--set",
+                 "target=loss/nope:1e-3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no loss term 'loss/nope'" in err[0] and "loss/misfit" in err[0]
+    assert not out.exists()
+    # a resumed run: refused with its log and restart file left as they were
+    train(TINY, overrides={"iterations": 3}, out=str(out), quiet=True)
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(ProblemError, match="no loss term 'loss/pde'"):
+        train(TINY, overrides={"iterations": 6, "target": "loss/pde:1e-3"}, out=str(out),
+              resume=True, quiet=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+
+
+RANDOM_TERMS = '''
+import numpy as np
+import torch
+import deepsolve
+
+
+class Noisy(deepsolve.Problem):
+    """Residuals that draw from every generator a restart records and count their calls in
+    the problem's state: an evaluation that was not put back would change the run."""
+
+    defaults = {"iterations": 5, "lr": 0.05}
+
+    def build(self, ctx):
+        ctx.model = torch.nn.Linear(3, 1).to(ctx.dtype)
+        ctx.data = {"calls": 0}
+
+    def residuals(self, ctx, iteration):
+        ctx.data["calls"] += 1
+        x = torch.rand(8, 3, dtype=ctx.dtype) + torch.rand(1, generator=ctx.generator).item()
+        shift = float(np.random.rand()) + ctx.data["calls"]
+        return {"fit": (ctx.model(x) - shift).pow(2).mean()}
+
+    def state_dict(self, ctx):
+        return {"calls": ctx.data["calls"]}
+
+    def load_state_dict(self, ctx, state):
+        ctx.data["calls"] = int(state["calls"])
+
+
+problem = Noisy()
+'''
+
+
+@pytest.mark.timeout(120)
+def test_the_evaluation_that_finds_the_loss_terms_changes_nothing_of_the_run(tmp_path):
+    """The residuals evaluated for the terms' names before training: random generators,
+    the problem's state and the model are put back, so a run with a loss-term target
+    trains exactly as the same run without one (fresh and resumed)."""
+    path = tmp_path / "noisy.py"
+    path.write_text(RANDOM_TERMS)
+    runs = {}
+    for name, target in (("plain", ""), ("term", "loss/fit:1e-30")):
+        out = str(tmp_path / name)
+        train(str(path), overrides={"iterations": 3, "target": target}, out=out, quiet=True)
+        train(str(path), overrides={"iterations": 5, "target": target}, out=out, quiet=True,
+              resume=True)
+        runs[name] = _log(out)
+    np.testing.assert_array_equal(runs["term"]["iteration"], np.arange(5))
+    np.testing.assert_array_equal(runs["term"]["loss"], runs["plain"]["loss"])
 
 
 def test_target_reached_then_resume(tmp_path, capsys):

@@ -21,6 +21,7 @@ it made are removed.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -34,11 +35,12 @@ import torch
 from ..config import RunConfig, horizon, parse_curriculum
 from ..memory.allocator import release_budget
 from ..memory.meter import host_high_water_mark, process_status, reset_high_water_mark
-from ..problem import ProblemError
+from ..problem import Context, Problem, ProblemError
 from ..settings import parse_target
 from .prepare import build, check_curriculum, check_mesh, log_attrs, prepare, run_threads
 from .progress import note, progress
 from .restart import restore, save_restart
+from .rng import rng_state, set_rng_state
 from .rows import (
     NoLog,
     StatsSum,
@@ -171,6 +173,34 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
                 lock.release()
 
 
+def loss_term_names(problem: Problem, ctx: Context, iteration: int,
+                    stages: tuple[tuple[int, int], ...] = ()) -> list[str]:
+    """The names of the loss terms ``problem.residuals(ctx, iteration)`` returns, from one
+    evaluation before training (no backward, no optimiser step; the horizon of
+    ``iteration``'s curriculum stage). Everything the evaluation may change is put back as
+    a restart would: the random generators (:mod:`.rng`), the model's state, the problem's
+    own ``state_dict`` and the context's horizon — so the run then draws and trains exactly
+    as it would have without it."""
+    model = ctx.model
+    assert model is not None  # build() checked it
+    rng = rng_state(ctx)
+    model_state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                   for k, v in model.state_dict().items()}
+    problem_state = copy.deepcopy(problem.state_dict(ctx))
+    old_horizon, old_adjoint = ctx.horizon, ctx.want_adjoint_norms
+    try:
+        if stages:
+            ctx.horizon = horizon(stages, iteration)
+        ctx.want_adjoint_norms = False
+        return list(check_terms(problem.residuals(ctx, iteration), iteration))
+    finally:
+        ctx.horizon, ctx.want_adjoint_norms = old_horizon, old_adjoint
+        ctx.unroll_stats.clear()
+        problem.load_state_dict(ctx, problem_state)
+        model.load_state_dict(model_state)
+        set_rng_state(ctx, rng)
+
+
 class Run:
     """One training run, from its decided start to its last row.
 
@@ -224,9 +254,13 @@ class Run:
                 self.begin.restart = None
             with torch.no_grad():  # a new log's baseline
                 baseline, baseline_curves = split_evaluation(problem.evaluate(ctx))
+            # a target's name is checked now, before the log is opened: a loss term's
+            # against the terms one evaluation of the residuals returns (made only then)
             self.stopping = Stopping(parse_target(cfg["target"]), float(cfg["time_limit"]),
                                      elapsed, baseline, getattr(problem, "target_metric", None),
-                                     self.problem_path)
+                                     self.problem_path,
+                                     terms=lambda: loss_term_names(problem, ctx,
+                                                                   self.begin.start, stages))
         except BaseException:
             if self.begin.created and self.main:
                 remove_empty_dir(self.files.run_dir)

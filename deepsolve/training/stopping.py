@@ -40,7 +40,7 @@ from ..problem import ProblemError
 from ..settings import Target, parse_target
 from .restart import RestartError
 
-__all__ = ["Stopping", "check_resume"]
+__all__ = ["Stopping", "check_resume", "check_target_name"]
 
 
 class Stopping:
@@ -53,19 +53,23 @@ class Stopping:
         metrics: the metric names ``Problem.evaluate`` gives (a metric target must be one).
         target_metric: the problem's ``target_metric`` (a target given as a level alone).
         where: the problem file, for the error messages.
+        terms: the names of the problem's loss terms, asked for only when the target names
+            one (``loss/<term>``) or nothing the problem has (for the error's list): they
+            are known from an evaluation of the residuals (:func:`.run.loss_term_names`).
+
+    Raises:
+        ProblemError: (one line) a target that names neither the loss, one of its terms
+            nor a metric, with the names there are.
     """
 
     def __init__(self, target: Target | None, time_limit: float, elapsed: float,
-                 metrics: Mapping[str, Any], target_metric: str | None, where: str):
+                 metrics: Mapping[str, Any], target_metric: str | None, where: str,
+                 terms: Callable[[], list[str]] | None = None):
         self.limit = 60.0 * float(time_limit) if time_limit else math.inf
         self.name = None if target is None else (target.name or target_metric or "loss")
         self.level = math.nan if target is None else target.level
-        if self.name is not None and not (self.name == "loss" or self.name.startswith("loss/")
-                                          or self.name in metrics):
-            known = ", ".join(["loss", "loss/<term>", *sorted(metrics)])
-            raise ProblemError(f"--set target: {where} has no metric {self.name!r} "
-                               f"(target {self.name} <= {self.level:g}); name one of {known}, "
-                               "as --set target=NAME:LEVEL")
+        if self.name is not None and self.name != "loss" and self.name not in metrics:
+            check_target_name(self.name, self.level, metrics, terms, where)
         self.metric = self.name is not None and self.name in metrics
         self.t0 = time.perf_counter() - float(elapsed)
         self.started = self.t0
@@ -133,6 +137,32 @@ class Stopping:
         return {"elapsed": self.elapsed(), "stopped": self.reason,
                 "stopped_by": (f"{self.name}:{self.level!r}" if self.reason.startswith("target")
                                else f"{self.limit!r}" if self.reason else "")}
+
+
+def check_target_name(name: str, level: float, metrics: Mapping[str, Any],
+                      terms: Callable[[], list[str]] | None, where: str) -> None:
+    """Refuse a target ``name`` that is not the loss, ``loss/<term>`` of a term the
+    residuals return (``terms()``; without it any ``loss/...`` passes) or a metric: a
+    one-line :class:`ProblemError` naming it and listing the names there are."""
+    if name == "loss" or name in metrics:
+        return
+    if terms is None:
+        if name.startswith("loss/"):
+            return
+        have: list[str] | None = None
+    else:
+        have = list(terms())
+        if name.startswith("loss/") and name[len("loss/"):] in have:
+            return
+    known = ", ".join(["loss", *(f"loss/{t}" for t in have or ["<term>"]), *sorted(metrics)])
+    what = "loss term" if name.startswith("loss/") else "loss term or metric"
+    hint = ""
+    if have is not None and name in have:
+        hint = f" (did you mean loss/{name}?)"
+    elif name.startswith("metric/") and name[len("metric/"):] in metrics:
+        hint = f" (did you mean {name[len('metric/'):]}?)"
+    raise ProblemError(f"--set target={name}:{level:g}: {where} has no {what} {name!r}{hint}; "
+                       f"name one of {known}, as --set target=NAME:LEVEL")
 
 
 def check_resume(restart: Mapping[str, Any], cfg: Mapping[str, Any], path: str) -> None:
