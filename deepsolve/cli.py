@@ -95,7 +95,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"{how} {when}; restart file {res.restart_path} (iteration {res.iterations}); "
               "continue with --resume", file=sys.stderr)
         return code
-    print(f"trained {res.iterations} iterations, final loss {res.final_loss:.4e}")
+    already = "the run had already finished: " if res.nothing_to_train and not \
+        res.stopped.startswith("time_limit") else ""
+    print(f"{already}trained {res.iterations} iterations, final loss {res.final_loss:.4e}")
     if res.metrics:
         print("final metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in res.metrics.items()))
     print(f"log: {res.log_path}")

@@ -265,3 +265,58 @@ def test_progress_eta_is_the_time_left_when_a_limit_comes_first(monkeypatch, cap
     now[0] = 102.0
     lines.update(0, 1.0, {})
     assert "ETA 9s" in capsys.readouterr().err    # the iterations end first
+
+
+@pytest.mark.timeout(120)
+def test_resuming_a_finished_run_reports_the_logs_final_loss(tmp_path, capsys):
+    """``--resume`` of a run at its last iteration printed "final loss nan" (no iteration
+    ran, so no loss was seen). It says the run had already finished and reports the log's
+    last loss and metrics, exit 0, and changes nothing."""
+    out = tmp_path / "run"
+    first = train(TINY, overrides={"iterations": 6}, out=str(out), quiet=True)
+    c = _log(out)
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(["train", TINY, "--out", str(out), "--resume", "--iterations", "6",
+                 "--quiet"]) == 0
+    stdout = capsys.readouterr().out
+    assert f"the run had already finished: trained 6 iterations, final loss " \
+           f"{c['loss'][-1]:.4e}" in stdout, stdout
+    assert "nan" not in stdout and f"rate_error {c['metric/rate_error'][-1]:.4g}" in stdout
+    res = train(TINY, overrides={"iterations": 6}, out=str(out), resume=True, quiet=True)
+    assert res.nothing_to_train and res.iterations == 6 and not res.preempted
+    assert res.final_loss == c["loss"][-1] == first.final_loss
+    assert res.metrics == first.metrics
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+
+
+@pytest.mark.timeout(120)
+def test_resuming_past_the_time_limit_stops_before_any_iteration(tmp_path, capsys):
+    """Resuming with ``--set time_limit=X`` below the time the run has trained ran one more
+    iteration (the clock was read only after a step). It stops before any, says why in one
+    line and exits as a time-limited stop does (0, the reason in ``stopped``)."""
+    out = tmp_path / "run"
+    train(TINY, overrides={"iterations": 4, "sleep": 0.05, "eval_every": 0}, out=str(out),
+          quiet=True)
+    trained = torch.load(out / "restart.pt", weights_only=True)["elapsed"]
+    assert trained >= 0.2
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    limit = 0.5 * trained / 60   # minutes, half the time trained
+    capsys.readouterr()
+    assert main(["train", TINY, "--out", str(out), "--resume", "--iterations", "10",
+                 "--set", f"time_limit={limit}", "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert "trained 4 iterations, final loss" in cap.out and "nan" not in cap.out, cap.out
+    note = [ln for ln in cap.err.splitlines() if "time limit" in ln]
+    assert len(note) == 1 and "stopped before iteration 4" in note[0], cap.err
+    assert "--set time_limit=" in note[0]
+    assert _log(out)["iteration"].tolist() == [0, 1, 2, 3]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+    res = train(TINY, overrides={"iterations": 10, "time_limit": limit}, out=str(out),
+                resume=True, quiet=True)
+    assert res.iterations == 4 and res.stopped == f"time_limit {limit:g} min"
+    assert not res.preempted and res.nothing_to_train
+    # a limit above the time trained: on it goes
+    more = train(TINY, overrides={"iterations": 6, "time_limit": 10.0}, out=str(out),
+                 resume=True, quiet=True)
+    assert more.iterations == 6 and not more.nothing_to_train

@@ -86,6 +86,9 @@ class TrainResult:
     metrics: dict[str, float] = field(default_factory=dict)  # the last evaluate()'s values
     interrupted: bool = False  # stopped by SIGINT (Ctrl-C): the CLI exits with 130
     stopped: str = ""        # the target reached or the time limit (the log's `stopped`)
+    # --resume of a run with nothing left to train (it had finished, or its training time
+    # is past time_limit): no iteration ran, the loss and metrics are the log's last
+    nothing_to_train: bool = False
 
 
 def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
@@ -161,6 +164,13 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
             state = load_restart(files.restart)   # rank 0 has checked it against the log
             start = RunStart(start=state["iteration"], restart=state)
         start.created = created
+        why = nothing_to_train(start, cfg)
+        if why is not None:   # nothing is built, nothing written: the run stays as it was
+            try:
+                return _untrained_result(files, dist, start, why)
+            finally:
+                if lock is not None:
+                    lock.release()
         run = Run(problem_path, cfg, dist, files, start, stop, quiet)
         try:
             run.setup()
@@ -171,6 +181,64 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
             run.close()
             if lock is not None:
                 lock.release()
+
+
+def nothing_to_train(start: RunStart, cfg: RunConfig) -> str | None:
+    """Why a resumed run has no iteration left to train, or ``None``: ``""`` when its restart
+    file is at ``iterations`` (the run had finished; the restart file's stop reason, if any,
+    is kept), the time-limit reason (``"time_limit 5 min"``) when the training time it
+    records is already at or past ``time_limit`` — a run that would otherwise train one
+    more iteration before it asks the clock."""
+    if start.restart is None:
+        return None
+    if start.start >= int(cfg["iterations"]):
+        return str(start.restart.get("stopped", ""))
+    limit = 60.0 * float(cfg["time_limit"] or 0)
+    trained = float(start.restart.get("elapsed", 0.0))
+    if limit and trained >= limit:
+        return f"time_limit {limit / 60:g} min"
+    return None
+
+
+def _untrained_result(files: RunFiles, dist: DistInfo, start: RunStart,
+                      stopped: str) -> TrainResult:
+    """The result of a resumed run with nothing to train (:func:`nothing_to_train`): its
+    iterations, and on rank 0 the loss of its last row and the last value of each metric,
+    read from the log; a one-line note says why when its time limit stops it."""
+    k = start.start
+    loss, metrics = math.nan, {}
+    if dist.is_main:
+        loss, metrics = _last_logged(files, k)
+        if stopped.startswith("time_limit") and start.restart is not None:
+            trained = float(start.restart.get("elapsed", 0.0))
+            took = f"{trained / 60:.1f} min" if trained >= 120 else f"{trained:.3g} s"
+            note(f"--resume: the run has trained {took} already, at or past its time limit "
+                 f"of {stopped.removeprefix('time_limit ')}: stopped before iteration {k} (give "
+                 "a longer --set time_limit=MINUTES, or 0 for none, to train on)")
+    return TrainResult(files.run_dir, files.log, files.restart, k, loss, rank=dist.rank,
+                       metrics=metrics, stopped=stopped, nothing_to_train=True)
+
+
+def _last_logged(files: RunFiles, k: int) -> tuple[float, dict[str, float]]:
+    """The loss of the log's row at iteration ``k - 1`` and each metric's last value up to
+    it (NaN and nothing when the log cannot say)."""
+    from ..io import LogError, read_log
+
+    try:
+        cols = read_log(files.log, locking=files.locking).columns
+    except LogError:
+        return math.nan, {}
+    rows = [i for i, it in enumerate(cols["iteration"]) if it == k - 1]
+    if not rows:
+        return math.nan, {}
+    last = rows[-1]
+    metrics = {}
+    for name, values in cols.items():
+        if name.startswith("metric/"):
+            seen = [float(v) for v in values[:last + 1] if math.isfinite(float(v))]
+            if seen:
+                metrics[name[len("metric/"):]] = seen[-1]
+    return float(cols["loss"][last]), metrics
 
 
 def loss_term_names(problem: Problem, ctx: Context, iteration: int,
