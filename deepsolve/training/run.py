@@ -206,7 +206,7 @@ def _untrained_result(files: RunFiles, dist: DistInfo, start: RunStart,
     iterations, and on rank 0 the loss of its last row and the last value of each metric,
     read from the log; a one-line note says why when its time limit stops it."""
     k = start.start
-    loss, metrics = math.nan, {}
+    loss, metrics = math.nan, dict[str, float]()
     if dist.is_main:
         loss, metrics = _last_logged(files, k)
         if stopped.startswith("time_limit") and start.restart is not None:
