@@ -64,7 +64,9 @@ except KeyboardInterrupt:
     if not _cli_start():
         raise
     print("deepsolve: interrupted", file=_sys.stderr)
-    raise SystemExit(130) from None
+    from ._process import shutdown_signals as _shutdown_signals
+
+    raise SystemExit(_shutdown_signals(130)) from None
 
 __all__ = [
     "schedules", "unroll", "UnrollStats", "CompiledPolicy", "plan", "Plan", "BudgetError",

@@ -4,9 +4,10 @@ alive."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-__all__ = ["cli_start", "pid_alive", "end_rank"]
+__all__ = ["cli_start", "pid_alive", "end_rank", "shutdown_signals"]
 
 
 def cli_start() -> bool:
@@ -44,6 +45,36 @@ def end_rank(code: int) -> int:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def shutdown_signals(code: int) -> int:
+    """In the command line's process, once its exit code ``code`` is decided (everything
+    written and closed): what is left is the interpreter's exit — ``atexit`` callbacks of
+    deepsolve, torch, h5py, logging — where a signal must not change the outcome. SIGTERM
+    and SIGUSR1 (a batch system's stop) are ignored: there is nothing left to stop, and
+    their default action would end the process with -15 instead of ``code``. SIGINT (a
+    second Ctrl-C) ends the process at once with ``code``, the standard streams flushed,
+    without the rest of the exit: a ``KeyboardInterrupt`` inside an ``atexit`` callback
+    would print a traceback ("Exception ignored in atexit callback"). Returns ``code``;
+    elsewhere (a program calling :func:`deepsolve.cli.main`) nothing is changed."""
+    if not cli_start():
+        return code
+
+    def at_once(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, RuntimeError):
+                pass
+        os._exit(code)
+
+    for sig, how in ((signal.SIGTERM, signal.SIG_IGN), (signal.SIGUSR1, signal.SIG_IGN),
+                     (signal.SIGINT, at_once)):
+        try:
+            signal.signal(sig, how)
+        except (ValueError, OSError):  # not the main thread
+            pass
+    return code
 
 
 def pid_alive(pid: int) -> bool:

@@ -290,14 +290,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; a Ctrl-C anywhere outside the trainer's loop (argument parsing,
-    imports, loading data) is one line and exit code 130."""
-    from ._process import end_rank
+    imports, loading data) is one line and exit code 130. Once the exit code is decided,
+    signals during the interpreter's exit leave it as it is and print no traceback
+    (:func:`deepsolve._process.shutdown_signals`)."""
+    from ._process import end_rank, shutdown_signals
 
     try:
-        return end_rank(_main(argv))
+        code = _main(argv)
     except KeyboardInterrupt:
         print("deepsolve: interrupted", file=sys.stderr)
-        return end_rank(130)
+        code = 130
+    return end_rank(shutdown_signals(code))
 
 
 def _main(argv: list[str] | None = None) -> int:

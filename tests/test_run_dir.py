@@ -881,3 +881,104 @@ def test_two_ctrl_c_in_a_program_raise_keyboard_interrupt_and_keep_the_run(tmp_p
     assert iterations(out)[:3] == [0, 1, 2]
     assert cli("train", GATED, "--out", out, "--quiet", "--iterations", 9, "--resume") == 0
     assert iterations(out) == list(range(9))
+
+
+# ------------------------------------------------------------ signals while the process ends
+
+
+SLOW_TEARDOWN = '''
+
+# a slow teardown, for the tests of signals that arrive while the process ends
+import atexit as _atexit
+import time as _time
+
+import deepsolve.distributed as _dist
+
+_cleanup = _dist.cleanup
+
+
+def _slow(where):
+    mark = os.environ.get("SLOW_TEARDOWN_MARK", "")
+    if os.environ.get("SLOW_TEARDOWN") == where and mark:
+        with open(mark, "w") as f:
+            f.write(where)
+        end = _time.monotonic() + float(os.environ.get("SLOW_TEARDOWN_SECONDS", "3"))
+        while _time.monotonic() < end:   # short sleeps: a signal's handler runs at once
+            _time.sleep(0.05)
+
+
+def _slow_cleanup(dist):   # after the run: its files closed, its signal handlers gone
+    _slow("cleanup")
+    _cleanup(dist)
+
+
+if not getattr(_dist, "_slow_teardown", False):   # once, though the file is imported twice
+    _dist._slow_teardown = True
+    _dist.cleanup = _slow_cleanup
+    _atexit.register(_slow, "atexit")   # the interpreter's exit
+'''
+
+
+def _slow_teardown(tmp_path, where, seconds, *args):
+    prob = tmp_path / "slow_teardown.py"
+    prob.write_text(Path(GATED).read_text() + SLOW_TEARDOWN)
+    mark = tmp_path / "teardown"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SLOW_TEARDOWN=where,
+               SLOW_TEARDOWN_MARK=str(mark), SLOW_TEARDOWN_SECONDS=str(seconds))
+    # a terminal's Ctrl-C: SIGINT not ignored in the child (see the import test above)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deepsolve", "train", str(prob), "--quiet", *map(str, args)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return proc, mark
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["cleanup", "atexit"])
+def test_sigterm_while_the_process_ends_leaves_the_runs_exit_code(tmp_path, where):
+    """A SIGTERM after the last iteration, while the trainer tears down (``cleanup``: the
+    run's files closed and its handlers given back; ``atexit``: the interpreter's exit),
+    ended the process with -15. The run is complete: exit 0, no traceback."""
+    out = tmp_path / "run"
+    proc, mark = _slow_teardown(tmp_path, where, 3, "--out", out, "--iterations", 3)
+    try:
+        _wait_for(mark, proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "trained 3 iterations" in stdout, (stdout, err)
+    if where == "cleanup":
+        assert "SIGTERM after the run ended" in err, err
+    assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 3
+    assert iterations(out) == [0, 1, 2]
+
+
+@pytest.mark.timeout(180)
+def test_a_second_ctrl_c_while_the_process_ends_prints_no_traceback(tmp_path):
+    """Two Ctrl-C 50 ms apart: the first stops the run after its iteration; the second,
+    landing in an ``atexit`` callback while the process exited, printed "Exception ignored
+    in atexit callback" and a KeyboardInterrupt traceback. It now ends the process at once
+    with the run's exit code, 130, and prints nothing more."""
+    out, gate = tmp_path / "run", tmp_path / "gate"
+    proc, mark = _slow_teardown(tmp_path, "atexit", 60, "--out", out, "--iterations", 4,
+                                "--set", f"gate={gate}", "--set", "gate_at=1")
+    try:
+        _wait_for(f"{gate}.waiting", proc)
+        proc.send_signal(signal.SIGINT)
+        gate.touch()
+        _wait_for(mark, proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)   # at once, not after the 60 s of the callback
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert "interrupted after iteration 1" in err, err
+    assert torch.load(out / "restart.pt", weights_only=True)["iteration"] == 2
+    assert iterations(out) == [0, 1]

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from deepsolve.memory import offload
@@ -65,6 +66,7 @@ def test_dead_processes_folders_are_removed_at_the_next_start(tmp_path):
 HOLDER = """
 import os, sys, time
 from deepsolve.memory.offload import DiskStorage
+import pytest
 import torch
 disk = DiskStorage(sys.argv[1])
 disk.put((1, 0), [torch.zeros(1000)])
@@ -108,3 +110,38 @@ def test_a_programs_own_sigterm_handler_is_left_alone(tmp_path):
     finally:
         disk.close()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_open_spill_folders_are_removed_at_exit(tmp_path, monkeypatch):
+    """The atexit callback that removes open spill folders: a Ctrl-C during it (a second one
+    while the process exits) raised KeyboardInterrupt there, printed as "Exception ignored
+    in atexit callback" with a traceback, and left the folders. Now the removal finishes,
+    nothing escapes, and SIGINT's handler is put back."""
+    import shutil
+    import time
+
+    folders = [tmp_path / f"deepsolve-spill-{i}" for i in range(3)]
+    for f in folders:
+        f.mkdir()
+        (f / "slot").write_bytes(b"x")
+    monkeypatch.setattr(offload, "_OPEN", {str(f) for f in folders})
+    rmtree = shutil.rmtree
+
+    def interrupted(path, *args, **kw):
+        os.kill(os.getpid(), signal.SIGINT)   # a Ctrl-C while the folders are removed
+        time.sleep(0.05)
+        rmtree(path, *args, **kw)
+
+    monkeypatch.setattr(offload.shutil, "rmtree", interrupted)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        try:
+            offload._remove_open()
+        except KeyboardInterrupt:
+            pytest.fail("a Ctrl-C while the spill folders were removed escaped the callback")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert not any(f.exists() for f in folders)
+    assert not offload._OPEN

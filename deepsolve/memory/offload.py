@@ -43,11 +43,48 @@ _PREVIOUS_TERM: object = None      # SIGTERM disposition before ours (SIG_DFL) w
 
 
 def _remove_open() -> None:
-    with _LOCK:
-        dirs = list(_OPEN)
-        _OPEN.clear()
-    for d in dirs:
-        shutil.rmtree(d, ignore_errors=True)
+    """Remove the spill folders still open (at interpreter exit, ``atexit``; on SIGTERM).
+    A Ctrl-C meanwhile — a second one while the process exits — neither stops the removal
+    nor prints "Exception ignored in atexit callback" with a traceback: in the main thread
+    SIGINT is held by a handler of its own until the folders are gone and then dropped (the
+    process is ending anyway), and a ``KeyboardInterrupt`` that still gets through (before
+    that handler, or in another thread) is caught and the removal goes on."""
+    held = _hold_sigint()
+    try:
+        while True:
+            dirs: list[str] = []
+            try:
+                with _LOCK:
+                    dirs = list(_OPEN)
+                    _OPEN.clear()
+                for d in dirs:
+                    shutil.rmtree(d, ignore_errors=True)
+                break
+            except KeyboardInterrupt:   # the folders not removed yet: once more
+                with _LOCK:
+                    _OPEN.update(d for d in dirs if os.path.lexists(d))
+    finally:
+        _release_sigint(held)
+
+
+def _hold_sigint() -> object:
+    """Put a handler that does nothing on SIGINT (main thread only); the one it replaced,
+    for :func:`_release_sigint` (``None``: nothing replaced)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        return signal.signal(signal.SIGINT, lambda signum, frame: None)
+    except (ValueError, OSError, TypeError):
+        return None
+
+
+def _release_sigint(old: object) -> None:
+    if old is None:
+        return
+    try:
+        signal.signal(signal.SIGINT, old)  # type: ignore[arg-type]
+    except (ValueError, OSError, TypeError, KeyboardInterrupt):
+        pass
 
 
 def _on_sigterm(signum, frame) -> None:

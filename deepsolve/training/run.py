@@ -126,7 +126,7 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
 
     run_dir = files.run_dir
     # from here on a SIGTERM (or Ctrl-C) stops the run cleanly
-    with Preemption(hard_second=cli_start()) as stop:
+    with Preemption(hard_second=cli_start(), hold_after=cli_start()) as stop:
         lock = None
         created = False
         err: BaseException | None = None

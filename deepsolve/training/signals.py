@@ -9,7 +9,7 @@ import os
 import signal
 from typing import Any
 
-__all__ = ["Preemption", "PREEMPTED_EXIT_CODE", "INTERRUPTED_EXIT_CODE"]
+__all__ = ["Preemption", "PREEMPTED_EXIT_CODE", "INTERRUPTED_EXIT_CODE", "after_the_run"]
 
 
 #: Exit code of a run stopped by SIGTERM/SIGUSR1 after writing its restart file
@@ -34,13 +34,21 @@ class Preemption:
     long native operation, like a SIGKILL at that moment: the log and the last restart file
     stay valid and paired, and ``--resume`` continues from that restart file. Called from a
     program (a notebook, whose kernel must survive) the second raises ``KeyboardInterrupt``
-    instead; the log is closed on the way out, the restart file left as it was."""
+    instead; the log is closed on the way out, the restart file left as it was.
 
-    def __init__(self, hard_second: bool = False):
+    ``hold_after`` (the command line's process): when the run is over, SIGTERM and SIGUSR1
+    are not given back their default action (which ends the process at once, exit -15,
+    whatever the run's outcome) but a handler that says on stderr that there is nothing
+    left to stop: the process then ends with the code its run decided (0 for a finished
+    run, 75 for one a signal stopped), and at its exit
+    :func:`deepsolve._process.shutdown_signals` takes over."""
+
+    def __init__(self, hard_second: bool = False, hold_after: bool = False):
         self.signal: int | None = None
         self.interrupted = False     # a SIGINT arrived (the CLI exits with 130)
         self.training = False        # the loop has started: SIGINT stops after the iteration
         self.hard_second = hard_second
+        self.hold_after = hold_after
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum, frame):
@@ -73,5 +81,16 @@ class Preemption:
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
+            if self.hold_after and sig != signal.SIGINT:
+                old = after_the_run
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(sig, old)
+
+
+def after_the_run(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGUSR1 once a run is over (its log and restart file written and closed):
+    one line on stderr; the process goes on to end with the run's exit code."""
+    with contextlib.suppress(OSError, ValueError):
+        name = signal.Signals(signum).name
+        os.write(2, f"deepsolve train: {name} after the run ended: its log and restart file "
+                    f"are written and closed, nothing is left to stop\n".encode())
