@@ -55,7 +55,9 @@ def shutdown_signals(code: int) -> int:
     their default action would end the process with -15 instead of ``code``. SIGINT (a
     second Ctrl-C) ends the process at once with ``code``, the standard streams flushed,
     without the rest of the exit: a ``KeyboardInterrupt`` inside an ``atexit`` callback
-    would print a traceback ("Exception ignored in atexit callback"). Returns ``code``;
+    would print a traceback ("Exception ignored in atexit callback"). A rank of a
+    distributed run (``WORLD_SIZE > 1``), which torchrun stops with SIGTERM when another
+    fails, ends at once with ``code`` on SIGTERM and SIGUSR1 too. Returns ``code``;
     elsewhere (a program calling :func:`deepsolve.cli.main`) nothing is changed."""
     if not cli_start():
         return code
@@ -68,8 +70,12 @@ def shutdown_signals(code: int) -> int:
                 pass
         os._exit(code)
 
-    for sig, how in ((signal.SIGTERM, signal.SIG_IGN), (signal.SIGUSR1, signal.SIG_IGN),
-                     (signal.SIGINT, at_once)):
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1
+    stop = at_once if world > 1 else signal.SIG_IGN
+    for sig, how in ((signal.SIGTERM, stop), (signal.SIGUSR1, stop), (signal.SIGINT, at_once)):
         try:
             signal.signal(sig, how)
         except (ValueError, OSError):  # not the main thread

@@ -125,8 +125,11 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
     from ..memory.offload import remove_stale_spill_dirs
 
     run_dir = files.run_dir
-    # from here on a SIGTERM (or Ctrl-C) stops the run cleanly
-    with Preemption(hard_second=cli_start(), hold_after=cli_start()) as stop:
+    # from here on a SIGTERM (or Ctrl-C) stops the run cleanly; in the command line's own
+    # process (not torchrun's workers, which torchrun stops with SIGTERM) one after the run
+    # leaves the exit code as the run decides it
+    with Preemption(hard_second=cli_start(),
+                    hold_after=cli_start() and not dist.enabled) as stop:
         lock = None
         created = False
         err: BaseException | None = None
