@@ -379,6 +379,108 @@ def test_progress_pace_is_that_since_the_previous_line(monkeypatch, capsys):
     assert out[5][-1] == "20s" and out[3][-1] == "6s"   # 4 left at 5 s; 6 left at 1 s
 
 
+def _seconds(eta: str) -> int:
+    """``1h02m``, ``4m01s`` or ``17s`` as seconds."""
+    import re
+
+    m = re.fullmatch(r"(?:(\d+)h(\d+)m)|(?:(\d+)m(\d+)s)|(?:(\d+)s)", eta)
+    assert m is not None, eta
+    h, hm, mm, ms, s = (int(g) if g else 0 for g in m.groups())
+    return 3600 * h + 60 * hm + 60 * mm + ms + s
+
+
+@pytest.mark.timeout(60)
+def test_progress_eta_weighs_the_iterations_left_by_their_curriculum_horizon(monkeypatch,
+                                                                           capsys):
+    """``make demo``'s ETA ignored the horizon curriculum (100, 300, then 1000 steps from
+    iterations 0, 30 and 60): at iteration 31 of 100 it said 1m15s, then 4m01s, 2m17s,
+    3m52s. With a fake clock and iterations whose cost is proportional to their horizon,
+    the ETA of every line is the closed-form remaining work times the measured time per
+    step, whatever the stage; without a curriculum it is the pace times the iterations
+    left, as before."""
+    from deepsolve.config import horizon, parse_curriculum
+    from deepsolve.training import progress
+
+    stages = parse_curriculum("0:100,30:300,60:1000", 100, 1000)
+    assert stages == ((0, 100), (30, 300), (60, 1000))
+
+    def remaining(done):   # unrolled steps left after `done` iterations, in closed form
+        return (100 * max(0, 30 - done) + 300 * max(0, 60 - max(done, 30))
+                + 1000 * (100 - max(done, 60)))
+
+    per_step = 0.01   # seconds per unrolled step
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: clock[0])
+    lines = progress.Lines(total=100, start=0, every=0.0, stages=stages)
+    for it in range(100):
+        clock[0] += per_step * horizon(stages, it)
+        lines.update(it, 1.0, {})
+    out = [ln.split() for ln in capsys.readouterr().err.splitlines()]
+    assert [ln[3] for ln in out] == [f"{k}/100" for k in range(1, 101)]
+    etas = [_seconds(ln[-1]) for ln in out]
+    assert etas == [round(per_step * remaining(done)) for done in range(1, 101)]
+    assert etas[30] == 487            # at iteration 31: 29 x 300 + 40 x 1000 steps at 10 ms
+    # a resumed run and a line every few iterations: the same closed form
+    clock[0] = 0.0
+    lines = progress.Lines(total=100, start=25, every=2.5, stages=stages)
+    for it in range(25, 100):
+        clock[0] += per_step * horizon(stages, it)
+        lines.update(it, 1.0, {})
+    out = [ln.split() for ln in capsys.readouterr().err.splitlines()]
+    done = [int(ln[3].split("/")[0]) for ln in out]
+    assert 5 < len(out) < 75 and done[-1] == 100
+    assert [_seconds(ln[-1]) for ln in out] == [round(per_step * remaining(d)) for d in done]
+    # the work of a range of iterations: the horizons summed, in closed form
+    for a, b in [(0, 100), (29, 31), (31, 61), (59, 60), (70, 70), (0, 1), (99, 100)]:
+        assert progress.work(stages, a, b) == sum(horizon(stages, i) for i in range(a, b))
+    assert progress.work((), 3, 10) == 7.0
+    late = ((5, 40), (8, 10))   # iterations before the first start take its steps
+    assert progress.work(late, 0, 12) == sum(horizon(late, i) for i in range(12))
+
+
+@pytest.mark.timeout(120)
+def test_the_trainer_gives_its_curriculum_to_the_progress_output(tmp_path, monkeypatch):
+    """The run hands its parsed curriculum to the progress bar or lines, which weigh the
+    iterations left by it."""
+    from deepsolve.training import run as run_module
+
+    seen = []
+    real = run_module.progress
+
+    def spy(*args, **kw):
+        seen.append(args[5] if len(args) > 5 else kw.get("stages"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(run_module, "progress", spy)
+    assert run_cli("train", TINY, "--out", tmp_path / "a", "--iterations", 4, "--set",
+                   "curriculum=0:10,2:50", "--set", "progress_every=0") == 0
+    assert seen == [((0, 10), (2, 50))]
+    assert run_cli("train", TINY, "--out", tmp_path / "b", "--iterations", 2) == 0
+    assert seen[1] == ()
+
+
+def test_the_progress_bar_counts_unrolled_steps_under_a_curriculum(capsys):
+    """On a terminal, tqdm's rate and time left follow the bar's count: under a curriculum
+    the bar counts unrolled steps, the iteration in its postfix."""
+    from deepsolve.training import progress
+
+    stages = ((0, 100), (30, 300), (60, 1000))
+    bar = progress.Bar(total=100, start=30, stages=stages)
+    try:
+        assert bar.bar.total == progress.work(stages, 0, 100) == 52000
+        assert bar.bar.n == 3000
+        bar.update(30, 1.0, {})
+        assert bar.bar.n == 3300 and "it=31/100" in str(bar.bar.postfix)
+    finally:
+        bar.close()
+    plain = progress.Bar(total=10, start=2)
+    try:
+        plain.update(2, 1.0, {})
+        assert plain.bar.total == 10 and plain.bar.n == 3
+    finally:
+        plain.close()
+
+
 def test_baseline_metrics_before_training_are_logged(tmp_path):
     out = tmp_path / "run"
     assert run_cli("train", TINY, "--out", out, "--iterations", 4, "--quiet") == 0

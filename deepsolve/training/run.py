@@ -421,7 +421,8 @@ class Run:
                 preempted = True
             else:
                 bar = progress(iterations, start, self.quiet or not self.main,
-                               float(self.cfg["progress_every"]), self.stopping.deadline())
+                               float(self.cfg["progress_every"]), self.stopping.deadline(),
+                               self.stages)
                 # freed blocks an earlier budgeted call in this process left cached (the
                 # host allocator keeps its last limit) would count in this run's real peaks:
                 # emptied, the C library's own behaviour; a budgeted unroll sets its limit
