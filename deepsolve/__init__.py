@@ -13,7 +13,10 @@ Public surface:
   length, predicts its peak and time, and names itself;
 * :class:`Reversible` and :mod:`reversible` — reversible steppers (McCallum–Foster coupled
   explicit Runge–Kutta, leapfrog, reversible Heun) whose states the reverse sweep rebuilds
-  by their inverse: memory flat in the step count, drift measured and bounded;
+  by their inverse: memory flat in the step count, drift measured and bounded
+  (:class:`ReconstructionError`), their stability checked for the step at hand before any
+  unroll (:mod:`stability`, :class:`StabilityError`);
+* :class:`NonFiniteError` — every unroll names the first step whose state became NaN or inf;
 * :func:`plan` — profile a step and pick the fastest schedule under a memory budget
   (:class:`Plan`, :class:`BudgetError`);
 * :func:`sequential` — a chain of layers with different costs and shapes, checkpointed
@@ -30,8 +33,8 @@ from ._process import cli_start as _cli_start
 from ._version import __version__
 
 try:
-    from . import reversible, schedules
-    from .engine import CompiledPolicy
+    from . import reversible, schedules, stability
+    from .engine import CompiledPolicy, NonFiniteError, ReconstructionError
     from .fixed_point import (
         Auto,
         FixedPointError,
@@ -59,6 +62,7 @@ try:
     from .problem import Context, Curve, Problem
     from .sequential import SequentialStats, sequential
     from .settings import Setting
+    from .stability import StabilityError
     from .unroll import UnrollStats, unroll
 except KeyboardInterrupt:
     if not _cli_start():
@@ -71,7 +75,8 @@ except KeyboardInterrupt:
 __all__ = [
     "schedules", "unroll", "UnrollStats", "CompiledPolicy", "plan", "Plan", "BudgetError",
     "Strategy", "StoreAll", "Revolve", "Periodic", "Online", "TwoLevel", "RevolveTail", "Mixed",
-    "Budget", "Reversible", "reversible",
+    "Budget", "Reversible", "reversible", "stability", "StabilityError", "NonFiniteError",
+    "ReconstructionError",
     "Problem", "Context", "Curve", "Setting",
     "fixed_point", "FixedPointStats", "FixedPointError", "FixedPointWarning",
     "Implicit", "Unrolled", "Phantom", "Auto",

@@ -207,14 +207,21 @@ class _FirstUnroll(Exception):
 def _bind_ctx(method, ctx):
     """``problem.step(ctx, x, i)`` as ``step(x, i)`` (the model's parameters are closed-over
     leaves, found by the unroll); a problem method ``step_inverse(ctx, x, i)`` (``x_i`` from
-    ``x_{i+1}``) becomes the bound step's ``inverse``, which makes it reversible."""
+    ``x_{i+1}``) becomes the bound step's ``inverse``, which makes it reversible, and
+    ``step_stability(ctx, x, i, n)`` its ``stability`` (:mod:`deepsolve.stability`: the
+    reversible stepper's own, checked before every unroll)."""
 
     def step(x, i):
         return method(ctx, x, i)
 
-    inverse = getattr(method.__self__, f"{method.__name__}_inverse", None)
+    owner, name = method.__self__, method.__name__
+    inverse = getattr(owner, f"{name}_inverse", None)
     if callable(inverse):
         step.inverse = lambda x, i: inverse(ctx, x, i)  # type: ignore[attr-defined]
+    stability = getattr(owner, f"{name}_stability", None)
+    if callable(stability):
+        step.stability = (  # type: ignore[attr-defined]
+            lambda x, i=0, n=None: stability(ctx, x, i, n))
     return step
 
 

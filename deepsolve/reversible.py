@@ -19,21 +19,27 @@ docs/reversible.md). A reversible step is any callable ``step(state, i)`` with a
   with the inverse ``z_i = z_{i+1} + Phi_{-h}(t_{i+1}, y_{i+1})``,
   ``y_i = (y_{i+1} - (1 - lam) z_i - Phi_h(t_i, z_i)) / lam``. The method keeps the base
   method's order; each step (and each inverse) costs two base steps. The coupling ``lam``
-  in ``(0, 1]``: smaller is more stable forward (the ``y - z`` difference decays like
-  ``lam^i``), larger more stable backward (the inverse amplifies rounding by about
-  ``1 / lam`` per step: ``e^{n (1 - lam)}`` over ``n`` steps); 0.999 (the authors' default)
-  amplifies by ``e^10 = 2.2e4`` over 10^4 steps. (McCallum & Foster, "Efficient, accurate
-  and stable gradients for Neural ODEs", arXiv:2410.11648, 2024.)
+  in ``(0, 1]``: smaller widens the forward's stability region on the negative real axis
+  (a decaying mode ``R(w) < 1`` has a partner growing like ``lam / R(w)``: stable only while
+  ``R(w) >= lam``, about ``|h mu| < 1 - lam``), larger is more stable backward (the inverse
+  amplifies rounding by about ``1 / lam`` per step: ``e^{n (1 - lam)}`` over ``n`` steps);
+  0.999 (the authors' default) amplifies by ``e^10 = 2.2e4`` over 10^4 steps and suits
+  oscillatory, advective and Hamiltonian steps, not diffusive or stiff ones
+  (:mod:`deepsolve.stability`, checked before every unroll). (McCallum & Foster, "Efficient,
+  accurate and stable gradients for Neural ODEs", arXiv:2410.11648, 2024.)
 * :func:`leapfrog` — kick-drift-kick (velocity Verlet) for ``q'' = a(q, t)``, state
   ``(q, v)``: symplectic, second order, its own inverse with ``-h``.
 * :func:`reversible_heun` — Kidger et al.'s reversible Heun method for ``y' = f(t, y)``,
   state ``(y, y^, f(t, y^))``: one evaluation of ``f`` per step and per inverse, second
-  order. ("Efficient and accurate gradients for neural SDEs", NeurIPS 2021.)
+  order, stable on the imaginary segment ``|h mu| <= 1`` only. ("Efficient and accurate
+  gradients for neural SDEs", NeurIPS 2021.)
 * :func:`invertible` — your own step and its inverse, as one reversible step.
 
 Each stepper's ``init(y0)`` builds the carried state from the solution ``y0`` and
-``solution(state)`` takes it back; step ``i`` runs from ``t_i = t0 + i dt`` to ``t_{i+1}``.
-Solutions ``y`` may be tensors or pytrees of tensors.
+``solution(state)`` takes it back; step ``i`` runs from ``t_i = t0 + i dt`` to ``t_{i+1}``;
+``stability(state, i, n)`` is the scheme's linear stability for the step at hand
+(:class:`deepsolve.stability.Stability`). Solutions ``y`` may be tensors or pytrees of
+tensors.
 """
 
 from __future__ import annotations
@@ -43,8 +49,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
+
+from .stability import (
+    Flat,
+    Stability,
+    amplification,
+    confirm,
+    coupled_matrix,
+    fmt_mode,
+    heun_matrix,
+    isolated,
+    jvp,
+    largest,
+    leapfrog_matrix,
+    report,
+    ritz,
+    rk_stability_function,
+)
 
 __all__ = ["ReversibleStep", "Coupled", "Leapfrog", "ReversibleHeun", "Tableau", "TABLEAUS",
            "coupled", "explicit", "leapfrog", "reversible_heun", "invertible", "rk_increment"]
@@ -96,6 +120,20 @@ class ReversibleStep:
     def solution(self, state: Any) -> Any:
         """The solution ``y`` the carried state holds (the state itself by default)."""
         return state
+
+    def _confirmed(self) -> dict:
+        """This stepper's trajectories measured stable (:func:`deepsolve.stability.confirm`)."""
+        return self.__dict__.setdefault("_confirmed_stable", {})
+
+    def stability(self, state: Any, i: int = 0, n: int | None = None) -> Stability | None:
+        """The scheme's linear stability at ``state`` and step ``i``
+        (:class:`deepsolve.stability.Stability`: the largest growth of a mode beyond the
+        solution's, and of rounding under the inverse), or ``None`` where the scheme is
+        not known (:func:`invertible`: your own step). With ``n`` (the steps to be run),
+        an instability the linearisation predicts is measured along the first steps of
+        the trajectory before it is reported. :func:`deepsolve.unroll` checks it before the
+        forward sweep and the budget planner before it weighs the reversible schedule."""
+        return None
 
 
 class _Invertible(ReversibleStep):
@@ -211,7 +249,8 @@ class Coupled(ReversibleStep):
     ``increment(y, t, h) = Phi_h(t, y)``; state ``(y, z)``. See the module docstring."""
 
     def __init__(self, increment: Callable[[Any, float, float], Any], dt: float,
-                 lam: float = 0.999, t0: float = 0.0):
+                 lam: float = 0.999, t0: float = 0.0,
+                 field: tuple[Callable[[float, Any], Any], Tableau] | None = None):
         if not callable(increment):
             raise TypeError(f"coupled: increment must be callable as increment(y, t, h), got "
                             f"{type(increment).__name__}")
@@ -221,6 +260,7 @@ class Coupled(ReversibleStep):
         self.dt = _step_size(dt)
         self.lam = float(lam)
         self.t0 = float(t0)
+        self.field = field  # (f, tableau) when built by explicit(): the modes are h eig(df/dy)
 
     def forward(self, state: Any, i: int) -> Any:
         y, z = state
@@ -243,12 +283,104 @@ class Coupled(ReversibleStep):
         """``(y0, y0)``: both halves of the coupled state start at the solution."""
         return (y0, _map(torch.clone, y0))
 
+    def stability(self, state: Any, i: int = 0, n: int | None = None) -> Stability:
+        """Per mode the coupling's 2 x 2 amplification matrix
+        (:func:`deepsolve.stability.coupled_matrix`) against the exact flow ``e^w``
+        (:func:`explicit`: ``w = h mu`` from the vector field's Jacobian and the tableau's
+        stability function) or against the base method's own factor ``1 + a`` (a bare
+        increment: ``a`` and ``b`` from the increments' Jacobians). With ``n``, a predicted
+        instability over ``n`` steps is measured along the trajectory
+        (:func:`deepsolve.stability.confirm`)."""
+        y, z = state
+        lam, h, t = self.lam, self.dt, self.time(i)
+        flat = Flat(z)
+        tab = self.field[1] if self.field is not None else None
+
+        def factors(w):
+            assert tab is not None  # explicit() only
+            return (rk_stability_function(tab.a, tab.b, w) - 1,
+                    rk_stability_function(tab.a, tab.b, -w) - 1)
+
+        with isolated(state):
+            if self.field is not None:
+                f = self.field[0]
+                found = ritz(jvp(lambda u: f(t, u), z, flat), flat)
+                w = np.append(h * found.values, 0)
+                a, b = factors(w)
+                with np.errstate(over="ignore"):
+                    allowed = np.abs(np.exp(w))
+                labels = [fmt_mode(x) for x in w]
+            else:
+                y1 = self.forward(state, i)[0]
+                found = ritz(jvp(lambda u: self.increment(u, t, h), z, flat), flat,
+                             also=jvp(lambda u: self.increment(u, t + h, -h), y1, flat))
+                assert found.quotients is not None  # asked for
+                a, b = np.append(found.values, 0), np.append(found.quotients, 0)
+                allowed = np.abs(1 + a)
+                labels = [f"a mode the base step multiplies by {fmt_mode(1 + x, '')[3:]}"
+                          for x in a]
+        rho, sigma = amplification(coupled_matrix(a, b, lam))
+        seed = (1 + a) * (1 + b) - 1  # y and z step the solution forward and back
+
+        def grows(lam_, a_=a, b_=b, allowed_=allowed) -> bool:
+            # the coupling cannot mend the base method: compare with its own factor too
+            r, _ = amplification(coupled_matrix(a_, b_, lam_))
+            ref = np.maximum(np.maximum(allowed_, np.abs(1 + a_)), 1.0)
+            return bool(np.all(r <= ref * (1 + 1e-12)))
+
+        def fix() -> str:
+            out = []
+            top = largest(grows, lam)
+            if top is not None and top < lam:
+                out.append(f"a coupling lam <= {_below(top)}")
+            if self.field is not None:
+                def small(s_: float) -> bool:
+                    a_, b_ = factors(s_ * w)
+                    with np.errstate(over="ignore"):
+                        al = np.abs(np.exp(s_ * w))
+                    return grows(lam, a_, b_, al)
+                s_ = largest(small, 1.0)
+                if s_ is not None and s_ < 1:
+                    out.append(f"dt <= {0.8 * s_ * abs(h):.2g}")
+            out.append("the plain method (not reversible) with Revolve(s) or budget=")
+            return "use " + (", ".join(out[:-1]) + " or " if len(out) > 1 else "") + out[-1]
+
+        rep = report(repr(self), labels, rho, allowed, sigma, seed, _eps(flat),
+                     "the coupling is stable on the negative real axis only while the base "
+                     "method's factor stays above lam (about |h·μ| < 1 - lam), on the "
+                     "imaginary axis up to the base method's limit", fix)
+        if n is None:
+            return rep
+
+        def tangent(j: int) -> Any:
+            u = found.vector(j)
+            if u is None:
+                return None
+            d = flat.tree(u)
+            return (d, _map(torch.neg, d))  # the y - z direction of the spurious partner
+
+        return confirm(rep, n, self.forward, state, tangent, i, self._confirmed())
+
     def solution(self, state: Any) -> Any:
         return state[0]
 
     def __repr__(self) -> str:
         name = getattr(self.increment, "__name__", "increment")
         return f"coupled({name}, dt={self.dt:g}, lam={self.lam:g})"
+
+
+def _eps(flat: Flat) -> float:
+    return float(torch.finfo(flat.dtype).eps)
+
+
+def _below(top: float) -> str:
+    """A coupling safely below the largest stable one ``top``: ``1 - 1.25 (1 - top)``, to
+    two significant digits of ``1 - lam``."""
+    gap = 1.25 * (1 - top)
+    if gap <= 0:
+        return f"{top:g}"
+    digits = max(2, 1 - math.floor(math.log10(gap)))
+    return f"{math.floor((1 - gap) * 10**digits) / 10**digits:g}"
 
 
 def coupled(increment: Callable[[Any, float, float], Any], dt: float, *, lam: float = 0.999,
@@ -264,7 +396,7 @@ def explicit(f: Callable[[float, Any], Any], dt: float, *, method: str | Tableau
              lam: float = 0.999, t0: float = 0.0) -> Coupled:
     """The explicit Runge–Kutta ``method`` (:data:`TABLEAUS` or a :class:`Tableau`) for
     ``y' = f(t, y)`` made reversible by the McCallum–Foster coupling (:func:`coupled`)."""
-    return Coupled(rk_increment(f, method), dt, lam, t0)
+    return Coupled(rk_increment(f, method), dt, lam, t0, field=(f, _tableau(method)))
 
 
 class Leapfrog(ReversibleStep):
@@ -297,6 +429,48 @@ class Leapfrog(ReversibleStep):
         vh = _map(lambda a, g: a - 0.5 * h * g, v1, self.accel(q1, t + h))
         q = _map(lambda a, b: a - h * b, q1, vh)
         return (q, _map(lambda a, g: a - 0.5 * h * g, vh, self.accel(q, t)))
+
+    def stability(self, state: Any, i: int = 0, n: int | None = None) -> Stability:
+        """Per mode ``w2 = h^2 kappa`` (``kappa`` an eigenvalue of ``da/dq`` at ``q``) the
+        2 x 2 matrix of :func:`deepsolve.stability.leapfrog_matrix` against the exact
+        ``e^{sqrt(w2)}``: stable for ``h omega <= 2``. With ``n``, a predicted instability
+        is measured along the trajectory (:func:`deepsolve.stability.confirm`)."""
+        q, _ = state
+        h, t = self.dt, self.time(i)
+        flat = Flat(q)
+        with isolated(state):
+            found = ritz(jvp(lambda u: self.accel(u, t), q, flat), flat)
+        w2 = np.append(h * h * found.values, 0)
+
+        def rates(w2_):
+            r, s_ = amplification(leapfrog_matrix(w2_))
+            root = np.sqrt(w2_.astype(complex))
+            with np.errstate(over="ignore"):
+                exact = np.maximum(np.abs(np.exp(root)), np.abs(np.exp(-root)))
+            return r, s_, exact
+
+        rho, sigma, allowed = rates(w2)
+
+        def fix() -> str:
+            def ok(s_: float) -> bool:
+                r, _, ex = rates(s_ * s_ * w2)
+                return bool(np.all(r <= np.maximum(ex, 1.0) * (1 + 1e-12)))
+            s_ = largest(ok, 1.0)
+            dt = f"dt <= {0.9 * s_ * abs(h):.2g}" if s_ is not None else "a smaller dt"
+            return f"use {dt}"
+
+        labels = [f"h·ω = {math.sqrt(-x.real):.3g}" if x.real < 0 and
+                  abs(x.imag) <= 1e-9 * abs(x) else fmt_mode(x, "h²·κ") for x in w2]
+        rep = report(repr(self), labels, rho, allowed, sigma, np.abs(w2) ** 2 / 24,
+                     _eps(flat), "leapfrog is stable for h·ω <= 2", fix)
+        if n is None:
+            return rep
+
+        def tangent(j: int) -> Any:
+            u = found.vector(j)
+            return None if u is None else (flat.tree(u), _map(torch.zeros_like, state[1]))
+
+        return confirm(rep, n, self.forward, state, tangent, i, self._confirmed())
 
     def __repr__(self) -> str:
         return f"leapfrog(dt={self.dt:g})"
@@ -344,6 +518,52 @@ class ReversibleHeun(ReversibleStep):
     def init(self, y0: Any) -> tuple[Any, Any, Any]:
         """``(y0, y0, f(t0, y0))``."""
         return (y0, _map(torch.clone, y0), self.f(self.t0, y0))
+
+    def stability(self, state: Any, i: int = 0, n: int | None = None) -> Stability:
+        """Per mode ``w = h mu`` (``mu`` an eigenvalue of ``df/dy`` at ``y^``) the 2 x 2
+        matrix of :func:`deepsolve.stability.heun_matrix` against ``e^w``: stable on the
+        imaginary segment ``|w| <= 1`` only. With ``n``, a predicted instability is
+        measured along the trajectory (:func:`deepsolve.stability.confirm`)."""
+        y, yh, fh = state
+        h, t = self.dt, self.time(i)
+        flat = Flat(yh)
+        with isolated(state):
+            found = ritz(jvp(lambda u: self.f(t, u), yh, flat), flat)
+        w = np.append(h * found.values, 0)
+        rho, sigma = amplification(heun_matrix(w))
+        with np.errstate(over="ignore"):
+            allowed = np.abs(np.exp(w))
+
+        def fix() -> str:
+            tab = TABLEAUS["heun"]
+            a = rk_stability_function(tab.a, tab.b, w) - 1
+            b = rk_stability_function(tab.a, tab.b, -w) - 1
+            ref = np.maximum(np.maximum(allowed, np.abs(1 + a)), 1.0)
+
+            def grows(lam_: float) -> bool:
+                r, _ = amplification(coupled_matrix(a, b, lam_))
+                return bool(np.all(r <= ref * (1 + 1e-12)))
+
+            top = largest(grows, 0.999)
+            coupled = (f"deepsolve.reversible.explicit(f, dt, method='heun', "
+                       f"lam={_below(top)}) or " if top is not None else "")
+            return (f"a smaller dt does not help (the growth over a fixed time stays); use "
+                    f"{coupled}the plain method (not reversible) with Revolve(s) or budget=")
+
+        rep = report(repr(self), [fmt_mode(x) for x in w], rho, allowed, sigma,
+                     np.abs(w) ** 3 / 6, _eps(flat),
+                     "reversible Heun is stable on the imaginary segment |h·μ| <= 1 only: "
+                     "every decaying mode has a growing partner", fix)
+        if n is None:
+            return rep
+
+        def tangent(j: int) -> Any:
+            u = found.vector(j)
+            if u is None:
+                return None
+            return (_map(torch.zeros_like, y), flat.tree(u), _map(torch.zeros_like, fh))
+
+        return confirm(rep, n, self.forward, state, tangent, i, self._confirmed())
 
     def solution(self, state: Any) -> Any:
         return state[0]

@@ -23,6 +23,7 @@ from .engine import (
     Truncation,
     UnrollStats,
     check_truncate,
+    default_tolerance,
     execute,
     segments,
 )
@@ -45,6 +46,7 @@ from .memory.segments import (
 )
 from .memory.strategies import Budget, Online, Reversible, StoreAll, Strategy, as_strategy
 from .schedules import Schedule, online, revolve, store_all
+from .stability import Stability, StabilityError
 
 __all__ = ["unroll", "UnrollStats", "DEFAULT_MAX_STEPS"]
 
@@ -199,6 +201,7 @@ def unroll(
         RuntimeError: the step modified its input state in place (found at step 0).
     """
     _check_step(step)
+    rep = _stability(step, state, n_steps, until, max_steps)
     if compile is False:  # the strategy's field (None: eager whatever it says)
         compile = getattr(schedule, "compile", False) or getattr(budget, "compile", False)
     if compile == "auto" and stats is None:
@@ -219,7 +222,7 @@ def unroll(
             raise ValueError("unroll: truncate= needs a known n_steps, not until=")
         return _unroll_until(step, state, until, max_steps, snapshots, schedule, budget,
                              params, has_output, preserve_rng, stats, n_steps, policy,
-                             snapshot_dtype, adjoint_hook)
+                             snapshot_dtype, adjoint_hook, _diagnosis(rep))
     if n_steps is None:
         raise ValueError("unroll: give n_steps, or until=stop for an unroll of unknown length")
     if truncate is not None:
@@ -231,12 +234,13 @@ def unroll(
     chosen: Any = how
     if truncate is not None and n_steps > 0 and torch.is_grad_enabled():
         window, storage, policy, chosen = _windows(step, state, n_steps, truncate, how,
-                                                   params, policy, snapshot_dtype, stats)
+                                                   params, policy, snapshot_dtype, stats, rep)
         return execute(step, state, None, params=params, has_output=has_output,
                        preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
                        snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook,
                        truncate=Truncation(n_steps, truncate, window),
-                       **_reversal(chosen, step))
+                       diagnose=_diagnosis(rep),
+                       **_reversal(chosen, step, None, rep, stats, state))
     sched: Schedule
     if isinstance(how, Budget):
         if n_steps == 0 or not torch.is_grad_enabled():
@@ -244,7 +248,7 @@ def unroll(
         else:
             p = make_plan(step, state, n_steps, budget=how.budget, params=params,
                           offload=how.offload, spill_dir=how.spill_dir, policy=policy,
-                          snapshot_dtype=snapshot_dtype, group=how.group)
+                          snapshot_dtype=snapshot_dtype, group=how.group, stability=rep)
             sched = p.schedule
             policy = p.policy
             chosen = p.strategy
@@ -260,7 +264,7 @@ def unroll(
     return execute(step, state, sched, params=params, has_output=has_output,
                    preserve_rng=preserve_rng, stats=stats, storage=storage, policy=policy,
                    snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook,
-                   **_reversal(chosen, step, sched))
+                   diagnose=_diagnosis(rep), **_reversal(chosen, step, sched, rep, stats, state))
 
 
 _EAGER = object()  # _segmented's answer when the steps run eagerly
@@ -473,10 +477,14 @@ def _choose_k(step, state, n_steps: int, mode, runs: int, kw,
                           eager=measured or None)
 
 
-def _reversal(how: Any, step: Any, sched: Schedule | None = None) -> dict[str, Any]:
+def _reversal(how: Any, step: Any, sched: Schedule | None = None,
+              rep: Stability | None = None, stats: UnrollStats | None = None,
+              state: Any = None) -> dict[str, Any]:
     """The executor's arguments for a reversible unroll (the step's inverse, the drift
-    tolerance and what to do beyond it) when the strategy or schedule rebuilds states; a
-    one-line error when the step has no inverse."""
+    tolerance, what to do beyond it, and the advice for a drift error: the window the
+    step's stability analysis ``rep`` allows, its coupling, and the planner's choice) when
+    the strategy or schedule rebuilds states; a one-line error when the step has no
+    inverse."""
     kind = how.kind if isinstance(how, (Strategy, Schedule)) else None
     if kind != "reversible" and (sched is None or sched.kind != "reversible"):
         return {}
@@ -486,9 +494,86 @@ def _reversal(how: Any, step: Any, sched: Schedule | None = None) -> dict[str, A
                         "step.inverse(state, i) -> the state before; build the step with "
                         "deepsolve.reversible (coupled, explicit, leapfrog, reversible_heun, "
                         "invertible) or use another schedule")
+    out: dict[str, Any] = dict(inverse=inverse)
     if isinstance(how, Reversible):
-        return dict(inverse=inverse, tolerance=how.tolerance, on_drift=how.on_drift)
-    return dict(inverse=inverse)
+        out.update(tolerance=how.tolerance, on_drift=how.on_drift)
+    advice = []
+    if rep is not None and state is not None:
+        leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+        meta = [(t.shape, t.dtype, t.device) for t in leaves]
+        tol = out.get("tolerance") or default_tolerance(meta)
+        eps = max((torch.finfo(m[1]).eps for m in meta
+                   if m[1].is_floating_point or m[1].is_complex),
+                  default=torch.finfo(torch.float64).eps)
+        window = rep.window(tol, eps)
+        lam = getattr(step, "lam", None)
+        coupling = (f", a coupling lam closer to 1 (now {lam:g})"
+                    if isinstance(lam, float) and lam < 1 else "")
+        advice.append(f"the inverse of {rep.scheme} amplifies rounding by up to "
+                      f"{rep.inverse_growth:.4g} per step, so windows of at most "
+                      f"{max(window, 0)} steps stay within the tolerance: use "
+                      f"Reversible(every={max(window, 1)}) or shorter{coupling}, or Revolve(s)")
+    else:
+        advice.append("store snapshots more often (Reversible(every=k) with a smaller k), "
+                      "raise tolerance=, or give on_drift='recompute'")
+    plan = stats.extra.get("plan") if stats is not None else None
+    if plan is not None and getattr(plan, "kind", None) == "reversible":
+        advice.append(f"the budget planner chose {plan.schedule!r} for "
+                      f"{format_bytes(plan.budget)}")
+    out["advice"] = "; ".join(advice)
+    return out
+
+
+def _stability(step: Any, state: Any, n_steps: int | None, until: Any,
+               max_steps: int | None) -> Stability | None:
+    """The step's linear stability at ``state`` (``step.stability``: the reversible steppers
+    of :mod:`deepsolve.reversible`), checked for the unroll's length (``until=``: for
+    ``max_steps``, or :data:`UNTIL_HORIZON` steps): a one-line
+    :class:`~deepsolve.stability.StabilityError` when a mode grows beyond the solution;
+    ``None`` for a step without an analysis (or one that fails here: the unroll's own checks
+    name the problem). Not under ``torch.distributed`` with several ranks: a step whose
+    field exchanges halos would run a different number of collectives on each rank."""
+    analyse = getattr(step, "stability", None)
+    if not callable(analyse):
+        return None
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return None  # a step that exchanges halos would see the ranks' analyses diverge
+    if until is None:
+        if not (isinstance(n_steps, int) and not isinstance(n_steps, bool) and n_steps > 0):
+            return None  # nothing to run (or a bad length, refused below)
+        n = n_steps
+    else:
+        n = max_steps if isinstance(max_steps, int) and max_steps > 0 else UNTIL_HORIZON
+    try:
+        rep = analyse(state, 0, n)
+    except StabilityError:
+        raise
+    except Exception:
+        return None
+    if not isinstance(rep, Stability):
+        return None
+    rep.check(n)
+    return rep
+
+
+#: the length an unroll of unknown length (``until=`` without ``max_steps``) is checked for
+UNTIL_HORIZON = 1000
+
+
+def _diagnosis(rep: Stability | None) -> Callable[[], str] | None:
+    """The diagnosis a non-finite state's error adds: the stepper's stability at ``x_0``."""
+    if rep is None:
+        return None
+
+    def diagnose() -> str:
+        if rep.excess > 1:
+            return (f"{rep.scheme} at x_0: a mode grows by {rep.excess:.4g} per step beyond "
+                    f"the solution (at {rep.worst}); {rep.fix}")
+        return (f"{rep.scheme} was found stable at x_0 (linearised), so the step left that "
+                "region later (a nonlinear step): reduce dt, or check the step at that state")
+
+    return diagnose
 
 
 def _check_step(step: Any) -> None:
@@ -518,7 +603,8 @@ def _second_level(p, how: Budget) -> dict | None:
     return {1: HostStorage() if how.offload == "host" else DiskStorage(how.spill_dir)}
 
 
-def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dtype, stats):
+def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dtype, stats,
+             rep: Stability | None = None):
     """``(window schedule builder, storage, policy, strategy)`` of ``truncate=K``: each window
     of ``K`` steps is reversed on its own, so a strategy builds a ``K``-step schedule, and a budget
     plans one window — beside it the next window's start state and the stacked outputs of
@@ -542,7 +628,7 @@ def _windows(step, state, n_steps: int, K: int, how, params, policy, snapshot_dt
             f"take {format_bytes(extra)}; raise the budget")
     p = make_plan(step, state, m, budget=nbytes - extra, params=params, offload=how.offload,
                   spill_dir=how.spill_dir, policy=policy, snapshot_dtype=snapshot_dtype,
-                  group=how.group)
+                  group=how.group, stability=rep)
     if stats is not None:
         stats.extra["plan"] = p
     storage = _second_level(p, how)
@@ -592,7 +678,7 @@ def _check_store_all_fits(step, state, n_steps: int, params) -> None:
 
 def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, params,
                   has_output, preserve_rng, stats, n_steps, policy, snapshot_dtype,
-                  adjoint_hook=None):
+                  adjoint_hook=None, diagnose=None):
     if n_steps is not None:
         raise ValueError("unroll: give n_steps or until=, not both (cap an open-ended unroll "
                          "with max_steps=)")
@@ -617,7 +703,8 @@ def _unroll_until(step, state, until, max_steps, snapshots, schedule, budget, pa
     try:
         return execute(step, state, sched, params=params, has_output=has_output,
                        preserve_rng=preserve_rng, stats=stats, until=until, max_steps=bound,
-                       policy=policy, snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook)
+                       policy=policy, snapshot_dtype=snapshot_dtype, adjoint_hook=adjoint_hook,
+                       diagnose=diagnose)
     except RuntimeError as e:
         if max_steps is not None or "stop condition was not met" not in str(e):
             raise

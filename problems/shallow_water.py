@@ -212,6 +212,16 @@ class ShallowWaterBathymetry(deepsolve.Problem):
     def step(self, ctx, x, i):
         return self._advance(ctx, x, self.depth(ctx))
 
+    def step_stability(self, ctx, x, i=0, n=None):
+        """The reversible integrator's linear stability at ``x`` (``None`` for RK4, and on
+        a decomposed domain: each rank would analyse its own block, and ranks that disagree
+        must not leave the others waiting in a halo exchange)."""
+        if not ctx.data["reversible"] or (torch.distributed.is_available() and
+                                          torch.distributed.is_initialized() and
+                                          torch.distributed.get_world_size() > 1):
+            return None
+        return self._coupled(ctx, self.depth(ctx)).stability(x, i, n)
+
     def step_inverse(self, ctx, x, i):
         """``x_i`` from ``x_{i+1}`` (the reversible integrator only)."""
         if not ctx.data["reversible"]:

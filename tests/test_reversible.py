@@ -345,6 +345,50 @@ def test_step_without_inverse_and_random_steps_are_refused():
                   until=lambda x, i: i >= 5, schedule=ds.Reversible())
 
 
+def test_steps_drawing_from_numpy_or_a_private_generator_are_named_as_random():
+    """The report's item 9: a step drawing from numpy's global generator was told to
+    "check step.inverse"; it is named a random draw, and one drawing from a generator no
+    capture sees (a numpy Generator it closes over) is named a nondeterministic step."""
+    import numpy as np
+
+    x0 = torch.randn(4, dtype=D, requires_grad=True)
+    glob = rv.invertible(lambda x, i: x + 0.01 * float(np.random.randn()), lambda x, i: x)
+    with pytest.raises(ValueError, match=r"draws no random numbers.*numpy's global"):
+        ds.unroll(glob, x0, 10, schedule=ds.Reversible())
+    rng = np.random.default_rng(0)
+    own = rv.invertible(lambda x, i: x + 0.01 * float(rng.standard_normal()), lambda x, i: x)
+    with pytest.raises(ValueError, match="needs a deterministic step.*numpy Generator"):
+        ds.unroll(own, x0, 10, schedule=ds.Reversible())
+
+
+def test_recompute_never_returns_a_non_finite_gradient_silently():
+    """on_drift="recompute" recomputes drifting windows exactly; a gradient that is still
+    not finite (here: the loss itself is NaN at one element) raises instead of returning."""
+    step, x0, leaves = unstable_inverse()
+    xn = ds.unroll(step, x0, 400, schedule=ds.Reversible(every=100, on_drift="recompute"))
+    loss = (xn[0] ** 2).sum() + 0 * torch.sqrt(-xn[0][0, 0].abs() - 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ReconstructionError, match="non-finite gradient") as e:
+            torch.autograd.grad(loss, leaves)
+    assert "\n" not in str(e.value)
+
+
+def test_drift_error_names_the_window_the_inverse_allows_and_the_coupling():
+    """The report's item 8: the drift error names the inverse's growth, the window it
+    allows, and the coupling lam (it advised shorter windows only)."""
+    step, x0, leaves = unstable_inverse()
+    xn = ds.unroll(step, x0, 400, schedule=ds.Reversible(every=100))
+    with pytest.raises(ReconstructionError) as e:
+        torch.autograd.grad((xn[0] ** 2).sum(), leaves)
+    msg = str(e.value)
+    assert "Reversible(every=" in msg and "lam closer to 1 (now 0.3)" in msg
+    k = int(msg.split("Reversible(every=")[1].split(")")[0])
+    assert 5 <= k < 100
+    check_against_plain(step, x0, 400, leaves, lambda x: (x[0] ** 2).sum(),
+                        ds.Reversible(every=k), tol=1e-8)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(every=0), "every must be an integer >= 1"),
     (dict(every=3, snapshots=2), "not both"),

@@ -10,6 +10,8 @@ One concept per module, each depending only on those listed before it:
 * :mod:`~deepsolve.engine.policies` — recomputation policies inside a kept step.
 * :mod:`~deepsolve.engine.storage` — snapshot slots (:class:`Slot`) and storage levels
   (:class:`Storage`, :class:`HostStorage`).
+* :mod:`~deepsolve.engine.finite` — the forward sweep's watch for NaN and inf states
+  (:class:`FiniteCheck`, :class:`NonFiniteError` naming the first bad step).
 * :mod:`~deepsolve.engine.reversal` — the inverse of a reversible step, checked on the first
   step pair, and the drift of rebuilt states (:class:`Reversal`).
 * :mod:`~deepsolve.engine.segments` — compiled step segments: ``k`` steps as one compiled
@@ -24,6 +26,7 @@ import only the public names re-exported here.
 """
 
 from .executor import Tape, Truncation, UnrollRun, UnrollStats, check_truncate, execute
+from .finite import FiniteCheck, NonFiniteError, all_finite
 from .graph import (
     closure_leaves,
     constant_leaves,
@@ -72,6 +75,7 @@ from .storage import (
 )
 
 __all__ = [
+    "FiniteCheck", "NonFiniteError", "all_finite",
     "CompileError", "INDEX", "Segments", "segment_count", "segments", "step_identity",
     "StepCache", "forget_step",
     "Autocast", "CompiledPolicy", "ON_DRIFT", "EXPENSIVE_OPS", "GradSum", "HostStorage",

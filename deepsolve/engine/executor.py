@@ -34,6 +34,7 @@ as constants are checked to stay constants; each misfit is a one-line error.
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 import weakref
@@ -47,10 +48,11 @@ from torch.utils import _pytree as pytree
 from ..schedules import Online, Schedule, revolve, shifted
 from ..schedules.actions import Free, Reverse, Store
 from ..schedules.check import ScheduleError
+from .finite import EVERY, FiniteCheck, all_finite
 from .graph import constant_leaves, discover, pull_back, sequence_marker, unseen_leaf
 from .interpreter import GradSum, Interpreter, Misfit, SweepStats
 from .policies import CompiledPolicy, Recorder, policy_context, policy_name
-from .replay import Replay
+from .replay import Replay, cuda_devices
 from .reversal import ReconstructionError, Reversal, relative_error
 from .state import Step, flatten_state, is_diff, unflatten
 from .storage import check_snapshot_dtype
@@ -223,6 +225,8 @@ class UnrollRun(Interpreter):
         self.win_grad: list | None = None
         self.win_outer: GradSum | None = None
         self.redone = 0
+        # the forward sweep's watch for NaN or inf states (set by execute)
+        self.finite: FiniteCheck | None = None
 
     def _new_snapshot_peak(self) -> None:
         if self.stats is not None:
@@ -261,6 +265,8 @@ class UnrollRun(Interpreter):
                     cur, _ = step(cur, i)
                     check(cur, i)
         self.advances += b - a
+        if outs is not None and self.finite is not None:  # the forward sweep: watched
+            self.finite(cur, b)
         return cur
 
     def _put(self, outs, i, out):
@@ -374,6 +380,8 @@ class UnrollRun(Interpreter):
             tape = self._record(cur, rev.index)
             self.recorded += 1
             self._put(outs, rev.index, [o.detach() for o in tape.out])
+        if self.finite is not None:
+            self.finite(tape.y, rev.index + 1)
         self.at = -1
         self.adj = rev.index
         self.pending = (rev.index, tape)
@@ -419,6 +427,8 @@ class UnrollRun(Interpreter):
                 if out:
                     outs.append([o.detach() for o in out])
                 i += 1
+                if not i % EVERY and self.finite is not None:
+                    self.finite(nxt, i)
                 if stop(unflatten(nxt, spec), i):
                     break
                 if max_steps is not None and i >= max_steps:
@@ -436,6 +446,8 @@ class UnrollRun(Interpreter):
         self.replay.restore(rng)  # replay step n-1's random numbers
         tape = self._record(cur, n - 1)
         self.recorded += 1
+        if self.finite is not None:
+            self.finite(tape.y, n)
         self.at, self.adj, self.pos = -1, n - 1, 1
         self.pending = (n - 1, tape)
         self.final = [y.detach() for y in tape.y]
@@ -455,6 +467,8 @@ class UnrollRun(Interpreter):
         if self.want_norms:
             self.norms = [None] * (self.n + 1)
         self.reverse_sweep()
+        if self.rev is not None:
+            self._check_gradient()
         if self.stats is not None:
             self.stats.backward_time = self.backward_time
             self._fill_stats()
@@ -581,6 +595,25 @@ class UnrollRun(Interpreter):
 
     # -- reversible steps ------------------------------------------------------------------
 
+    def _check_gradient(self) -> None:
+        """A reversible unroll returns no non-finite gradient silently: its states were
+        rebuilt by the inverse (or windows recomputed), and a NaN or inf in ``dL/dx_0`` or a
+        parameter gradient raises :class:`ReconstructionError` naming where."""
+        for what, grads in (("dL/dx_0", self.grad), ("a parameter gradient",
+                                                       self.pgrads.grads)):
+            for g in grads:
+                if g is not None and not all_finite(g):
+                    rev = self.rev
+                    assert rev is not None  # called for reversible runs
+                    advice = rev.advice or ("check the loss and the step; Revolve(s) or "
+                                            "budget= recompute states instead of inverting")
+                    recomputed = (f" ({self.redone} window(s) recomputed after drifting)"
+                                  if self.redone else "")
+                    raise ReconstructionError(
+                        f"unroll: the reverse sweep of the reversible unroll gave a non-finite "
+                        f"gradient (NaN or inf in {what}){recomputed}, although the forward "
+                        f"sweep's states were finite; {advice}")
+
     def _invert(self, nxt: list[torch.Tensor], i: int) -> None:
         rev = self.rev
         if rev is None:
@@ -621,12 +654,19 @@ class UnrollRun(Interpreter):
                         outer.add(k, g)
                 self.pgrads = outer
             return
-        where = (f"rebuilding steps {a}..{top - 1} by the step's inverse drifted by {err:.3g} "
-                 f"(relative, at x_{a}), above the tolerance {rev.tolerance:.3g}")
+        if math.isfinite(err):
+            where = (f"rebuilding steps {a}..{top - 1} by the step's inverse drifted by "
+                     f"{err:.3g} (relative, at x_{a}), above the tolerance "
+                     f"{rev.tolerance:.3g}")
+        else:
+            where = (f"rebuilding steps {a}..{top - 1} by the step's inverse gave non-finite "
+                     f"states (NaN or inf at x_{a}, where the forward sweep's snapshot is "
+                     "finite): the inverse is unstable over this window")
         if outer is None:
-            raise ReconstructionError(
-                f"unroll: {where}; store snapshots more often (Reversible(every=k) with a "
-                "smaller k), raise tolerance=, or give on_drift='recompute'")
+            advice = rev.advice or ("store snapshots more often (Reversible(every=k) with a "
+                                    "smaller k), raise tolerance=, or give "
+                                    "on_drift='recompute'")
+            raise ReconstructionError(f"unroll: {where}; {advice}")
         self._recompute(exact, a, top, outer)
 
     def _recompute(self, exact: list, a: int, top: int, outer: GradSum) -> None:
@@ -762,6 +802,8 @@ def execute(
     inverse: Callable[[Any, int], Any] | None = None,
     tolerance: float | None = None,
     on_drift: str = "raise",
+    advice: str = "",
+    diagnose: Callable[[], str] | None = None,
 ) -> Any:
     """Run ``schedule.n_steps`` steps of ``step`` from ``state`` following ``schedule``.
 
@@ -793,7 +835,13 @@ def execute(
     schedules with ``Invert`` actions (:func:`deepsolve.schedules.reversible`): it is checked
     on the first step pair, rebuilt states are compared with the stored snapshots, and a
     drift beyond ``tolerance`` (:mod:`~deepsolve.engine.reversal`) raises or, with
-    ``on_drift="recompute"``, has the window recomputed.
+    ``on_drift="recompute"``, has the window recomputed; ``advice`` (one clause) is added to
+    the drift error: what the caller knows of the inverse and of how the schedule was chosen.
+
+    Every forward state is watched for NaN and inf (:mod:`~deepsolve.engine.finite`): a
+    one-line :class:`~deepsolve.engine.finite.NonFiniteError` names the first step whose
+    result is not finite, with ``diagnose()`` (the caller's diagnosis of the step, one
+    clause) when given.
     """
     context_fn = policy_context(policy)
     recorder = None if context_fn is None else Recorder(
@@ -851,9 +899,10 @@ def execute(
             raise TypeError(f"unroll: params[{k}] is a {type(p).__name__}, not a tensor")
 
     grad_on = torch.is_grad_enabled()
+    check = FiniteCheck(fn, x0, cuda_devices(x0 + explicit), hint=diagnose)
     if not grad_on or sched is None or (sched.kind == "store_all" and not watch):
         return _plain_loop(fn, x0, n_steps, spec, grad_on, stats, until, max_steps,
-                           recorder if grad_on else None)
+                           recorder if grad_on else None, check)
 
     reversal = None
     if inverse is not None:
@@ -863,9 +912,10 @@ def execute(
             raise ValueError("unroll: snapshot_dtype= with a reversible schedule: its snapshots "
                              "are the exact states the drift is measured against and rebuilt "
                              "from; leave snapshot_dtype unset")
-        reversal = Reversal(inverse, fn, tolerance, on_drift)
+        reversal = Reversal(inverse, fn, tolerance, on_drift, advice)
     ex = UnrollRun(fn, sched, n_steps, len(x0), Replay.of(x0 + explicit, preserve_rng), stats,
                    storage, recorder, snapshot_dtype, x0, reversal)
+    ex.finite = check
     if watch:
         ex.watch = True
         ex.hook = adjoint_hook
@@ -953,10 +1003,11 @@ def _close_all(backends) -> None:
 
 def _plain_loop(fn: Step, x0: list[torch.Tensor], n: int, spec, grad_on: bool,
                 stats: UnrollStats | None, until=None, max_steps: int | None = None,
-                recorder: Recorder | None = None):
+                recorder: Recorder | None = None, check: FiniteCheck | None = None):
     """The plain loop: under no_grad, or store_all (autograd keeps the whole graph, each
     step's part under the policy's ``recorder`` if one is given); with ``until``, until
-    ``until(x_i, i)`` holds."""
+    ``until(x_i, i)`` holds. ``check`` watches the states every :data:`EVERY` steps and at
+    the end."""
     t0 = time.perf_counter()
     cur = x0
     outs = []
@@ -974,6 +1025,8 @@ def _plain_loop(fn: Step, x0: list[torch.Tensor], n: int, spec, grad_on: bool,
         if fn.has_output:
             outs.append(out)
         i += 1
+        if not i % EVERY and check is not None:
+            check(cur, i)
         if until is not None:
             with torch.no_grad():
                 if until(unflatten(cur, spec), i):
@@ -983,6 +1036,8 @@ def _plain_loop(fn: Step, x0: list[torch.Tensor], n: int, spec, grad_on: bool,
                     f"unroll: the stop condition was not met within max_steps={max_steps} "
                     "steps; raise max_steps or check the condition")
     n = i
+    if check is not None and n % EVERY:
+        check(cur, n)
     if stats is not None:
         stats.n_steps = n
         stats.forward_time = time.perf_counter() - t0

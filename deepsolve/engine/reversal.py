@@ -84,10 +84,12 @@ class Reversal:
             :func:`default_tolerance`.
         on_drift: ``"raise"`` (:class:`ReconstructionError`) or ``"recompute"`` (the
             executor recomputes the window from its snapshot with revolve).
+        advice: what the caller knows of the inverse and of how the schedule was chosen
+            (one clause), for the drift error; empty: the generic advice.
     """
 
     def __init__(self, inverse: Callable[[Any, int], Any], step: Step,
-                 tolerance: float | None = None, on_drift: str = "raise"):
+                 tolerance: float | None = None, on_drift: str = "raise", advice: str = ""):
         if not callable(inverse):
             raise TypeError(f"unroll: the step's inverse must be callable as inverse(state, i),"
                             f" got {type(inverse).__name__}")
@@ -104,6 +106,7 @@ class Reversal:
         self.step = step
         self.tolerance = float(tolerance)
         self.on_drift = on_drift
+        self.advice = advice
 
     def leaves(self, nxt: list[torch.Tensor], i: int) -> list[torch.Tensor]:
         """``x_i`` from ``x_{i+1}`` (flat leaves) by the inverse, checked like a step's
@@ -119,19 +122,34 @@ class Reversal:
     def check_pair(self, x0: list[torch.Tensor], replay: Replay) -> None:
         """Step 0 and its inverse on ``x_0``, before the forward sweep: the step must draw no
         random numbers, and ``inverse(step(x_0, 0), 0)`` must be ``x_0`` within the
-        tolerance; a one-line error otherwise. Costs one step and one inverse."""
-        before = RngState.capture(replay.cuda)
+        tolerance; a one-line error otherwise. Costs one step and one inverse (and one more
+        step when the pair fails: a step whose result changes from call to call draws
+        random numbers from a generator no capture sees, such as a numpy ``Generator``)."""
+        before = RngState.capture(replay.cuda, host=True)
         with torch.no_grad():
             x1, _ = self.step.first(list(x0), 0)
-            if not before.same_torch(RngState.capture(replay.cuda)):
+            after = RngState.capture(replay.cuda, host=True)
+            moved = (["torch's generator"] if not before.same_torch(after) else []) + \
+                before.moved_host(after)
+            if moved:
                 raise ValueError(
-                    "unroll: the reversible schedule needs a step that draws no random "
-                    "numbers, but step 0 drew some (an inverse cannot give them back); use "
-                    "Revolve(s) or budget= for a stochastic step")
+                    f"unroll: the reversible schedule needs a step that draws no random "
+                    f"numbers, but step 0 drew some ({', '.join(moved)}; an inverse cannot "
+                    "give them back); use Revolve(s) or budget= for a stochastic step")
             back = self.leaves(x1, 0)
         err = relative_error(back, x0)
-        if not err <= self.tolerance:
+        if err <= self.tolerance:
+            return
+        before.restore()
+        with torch.no_grad():
+            again, _ = self.step(list(x0), 0)
+        if relative_error(again, x1) > 0:
             raise ValueError(
-                f"unroll: the step's inverse does not invert it: inverse(step(x_0, 0), 0) "
-                f"differs from x_0 by {err:.3g} (relative), above the tolerance "
-                f"{self.tolerance:.3g}; check step.inverse (it must return x_i from x_(i+1))")
+                "unroll: the reversible schedule needs a deterministic step, but step 0 gave "
+                "two different results from x_0 (it draws random numbers from a generator "
+                "deepsolve cannot replay, such as a numpy Generator, or runs a "
+                "nondeterministic operation); use Revolve(s) or budget= for such a step")
+        raise ValueError(
+            f"unroll: the step's inverse does not invert it: inverse(step(x_0, 0), 0) "
+            f"differs from x_0 by {err:.3g} (relative), above the tolerance "
+            f"{self.tolerance:.3g}; check step.inverse (it must return x_i from x_(i+1))")

@@ -291,6 +291,11 @@ class Segments:
             return 1
         return min(self.k, self.n_steps - j * self.k)
 
+    def steps_of(self, j: int) -> str:
+        """Segment ``j`` in words, by the steps it runs (for error messages)."""
+        a = j * self.k
+        return f"segment {j} (steps {a}..{a + self.length(j) - 1})"
+
     def __call__(self, state: Any, j: int) -> Any:
         start = j * self.k
         length = self.k if self.n_steps is None else min(self.k, self.n_steps - start)

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["group_size", "agree_profile", "agree_min", "agree_max", "agree_level"]
+__all__ = ["group_size", "agree_profile", "agree_min", "agree_max", "agree_max_time",
+           "agree_level"]
 
 
 def group_size(group: Any) -> int:
@@ -93,6 +94,13 @@ def agree_max(value: int, group: Any) -> int:
     if group_size(group) == 1:
         return value
     return int(_reduce([float(value)], group, "max")[0])
+
+
+def agree_max_time(value: float, group: Any) -> float:
+    """The largest time over the ranks [s]: the slowest rank's inverse step."""
+    if group_size(group) == 1:
+        return value
+    return float(_reduce([float(value)], group, "max")[0])
 
 
 def agree_level(level: Any, group: Any) -> Any:

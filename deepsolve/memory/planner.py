@@ -63,13 +63,25 @@ from torch.utils import _pytree as pytree
 from ..engine import (
     POLICIES,
     HostStorage,
+    RngState,
     check_snapshot_dtype,
+    cuda_devices,
+    default_tolerance,
     policy_context,
     policy_name,
+    relative_error,
     snapshot_nbytes,
 )
 from ..schedules import Schedule, mixed_cost, revolve_tail_cost
-from .agree import agree_level, agree_max, agree_min, agree_profile, group_size
+from ..stability import window as drift_window
+from .agree import (
+    agree_level,
+    agree_max,
+    agree_max_time,
+    agree_min,
+    agree_profile,
+    group_size,
+)
 from .allocator import hold_to_budget, release_budget
 from .budget import BudgetError, BudgetLike, device_capacity, format_bytes, parse_budget
 from .library import affordable, load_policy_machinery, policy_machinery
@@ -88,7 +100,8 @@ from .strategies import (
 from .units import probe_peak
 
 __all__ = ["Plan", "Alternative", "SlowLevel", "plan", "choose", "predicted_peak", "minimum_budget",
-           "peak_terms", "weighed_policies", "measure_level", "online_snapshots"]
+           "peak_terms", "weighed_policies", "measure_level", "online_snapshots", "Reversibility",
+    "reversibility"]
 
 
 @dataclass
@@ -401,9 +414,10 @@ def weighed_policies(profile: StepProfile,
 def choose(profile: StepProfile, n_steps: int, budget: int,
            slow: SlowLevel | None = None,
            policies: Sequence[StepProfile] | None = None, library: int = 0,
-           reversible: bool = False) -> Plan:
+           reversible: bool | int = False) -> Plan:
     """See :func:`_choose`; the chosen plan carries its peak's terms (``Plan.terms``).
-    ``reversible``: the step has an inverse, so :class:`Reversible` is weighed too.
+    ``reversible``: the step has an inverse, so :class:`Reversible` is weighed too — ``True``
+    with windows of any length, an integer ``w`` with windows of at most ``w`` steps.
 
     ``library``: one-time bytes this call keeps resident beside the schedule
     (:mod:`.library`); the schedule fits ``budget - library``, and the plan's terms and
@@ -431,7 +445,7 @@ def choose(profile: StepProfile, n_steps: int, budget: int,
 def _choose(profile: StepProfile, n_steps: int, budget: int,
             slow: SlowLevel | None = None,
             policies: Sequence[StepProfile] | None = None,
-            reversible: bool = False) -> Plan:
+            reversible: bool | int = False) -> Plan:
     """The fastest schedule whose predicted peak fits ``budget`` (bytes); with ``slow``, a
     cost-aware two-level schedule is weighed too.
 
@@ -446,7 +460,10 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
     that fit (the shortest windows of drift) is weighed beside them and taken when predicted
     10 % faster (its inverse time is measured, but noisy too)."""
     p, n = profile, n_steps
-    rev_plan = _reversible_alternative(p, n, budget) if reversible else None
+    rev_plan = None
+    if reversible:
+        window = n if reversible is True else int(reversible)
+        rev_plan = _reversible_alternative(p, n, budget, window)
     keep = [p] if policies is None else list(policies)
     plain_ok = any(q.policy == "none" for q in keep)
     fixed_policy = not plain_ok
@@ -585,36 +602,144 @@ def _choose(profile: StepProfile, n_steps: int, budget: int,
     return best
 
 
-def _reversible_alternative(p: StepProfile, n: int,
-                            budget: int) -> tuple[Reversible, Alternative] | None:
+def _reversible_alternative(p: StepProfile, n: int, budget: int,
+                            window: int) -> tuple[Reversible, Alternative] | None:
     """The reversible schedule with the most snapshots that fit ``budget`` (``x_0`` alone
-    when none more does), and its row in the plan's table; ``None`` for a one-step chain."""
+    when none more does), its windows no longer than ``window`` steps (the longest the
+    inverse rebuilds within the drift tolerance), and its row in the plan's table; ``None``
+    for a one-step chain."""
     if n < 2:
         return None
     one = Reversible(every=n)  # x_0 alone: the least memory
     room = budget - one.predicted_peak(p, n)
     extra = int(room // p.slot_bytes) if p.slot_bytes > 0 and room > 0 else 0
     every = max(1, -(-(n - 1) // (1 + extra))) if extra < n else 1
+    bounded = every > window
+    every = min(every, max(window, 1))
     strategy = Reversible(every=every)
     peak = strategy.predicted_peak(p, n)
     t = strategy.predicted_time(p, n)
     how = "measured" if p.t_inverse is not None else "assumed to cost one step"
-    return strategy, Alternative(strategy.describe(), peak, t, peak <= budget,
-                                 f"{n - 1} inverses ({how}); drift bounded to {every} steps")
+    note = f"{n - 1} inverses ({how}); drift bounded to {every} steps"
+    if bounded:
+        note += (f" (the inverse rebuilds at most {window} steps within the drift "
+                 "tolerance, so snapshots at least that often)")
+    return strategy, Alternative(strategy.describe(), peak, t, peak <= budget, note)
 
 
-def _time_inverse(step, state, repeats: int = 3) -> float | None:
-    """The median time of the step's inverse on ``step(state, 0)`` [s], or ``None`` when
-    the step has no inverse or it fails here (the unroll's own check names the problem)."""
+@dataclass(frozen=True)
+class Reversibility:
+    """What the planner found of a step's inverse: the longest window the reversible
+    schedule may rebuild (``0``: not weighed, ``why`` says why), and the inverse's time."""
+
+    window: int
+    why: str
+    t_inverse: float | None = None
+
+
+#: steps of the forward-then-inverse round trip that bounds an unanalysed inverse's drift
+_ROUND_TRIP = 16
+
+
+def reversibility(step, state, n: int, stability: Any = None) -> Reversibility | None:
+    """Whether the reversible schedule may be weighed for ``step`` (``None``: the step has
+    no inverse): a step that draws random numbers (torch's, numpy's or Python's global
+    generators) is not, nor one found unstable for ``n`` steps by its linear stability
+    analysis (``step.stability(state, 0, n)``, :mod:`deepsolve.stability`; ``stability``: the
+    report when the caller has it). The window is what the analysis allows
+    (:meth:`~deepsolve.stability.Stability.window`); a step without one (your own
+    ``invertible``) is run forward and back over :data:`_ROUND_TRIP` steps, and its drift
+    there bounds the window. The inverse's time is measured on ``step(state, 0)``."""
     inverse = getattr(step, "inverse", None)
     if not callable(inverse):
         return None
+    leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    meta = [(t.shape, t.dtype, t.device) for t in leaves]
+    devices = cuda_devices(leaves)
+    tol = default_tolerance(meta)
+    floating = [m[1] for m in meta if m[1].is_floating_point or m[1].is_complex]
+    eps = max((torch.finfo(d).eps for d in floating), default=torch.finfo(torch.float64).eps)
+    with torch.random.fork_rng(devices=devices):
+        before = RngState.capture(devices, host=True)
+        try:
+            with torch.no_grad():
+                x1 = _next_state(step, state, 0)
+        except Exception:
+            return Reversibility(0, "not weighed: the step fails outside the unroll")
+        after = RngState.capture(devices, host=True)
+        moved = (["torch's"] if not before.same_torch(after) else []) + \
+            before.moved_host(after)
+        if moved:
+            return Reversibility(0, f"not weighed: the step draws random numbers "
+                                    f"({', '.join(moved)}), which an inverse cannot give back")
+        t_inv = _time_inverse(inverse, x1, state)
+        if t_inv is None:
+            return Reversibility(0, "not weighed: the step's inverse fails on step(x_0, 0)")
+        rep = stability
+        if rep is None and callable(getattr(step, "stability", None)):
+            try:
+                rep = step.stability(state, 0, n)
+            except Exception:
+                rep = None
+        if rep is not None:
+            if not rep.stable(n):
+                return Reversibility(0, f"not weighed: {rep.scheme} is unstable for this step "
+                                        f"(a mode grows by {rep.excess:.4g} per step at "
+                                        f"{rep.worst})", t_inv)
+            window = rep.window(tol, eps)
+            growth = rep.inverse_growth
+        else:
+            found = _round_trip(step, inverse, state, min(n - 1, _ROUND_TRIP), tol)
+            if isinstance(found, str):
+                return Reversibility(0, f"not weighed: {found}", t_inv)
+            err, m = found
+            growth = max(1.0, (err / (10 * eps)) ** (1 / m)) if err > 0 else 1.0
+            window = drift_window(growth, tol, eps)
+    if window < 2:
+        return Reversibility(0, f"not weighed: the inverse amplifies rounding by up to "
+                                f"{growth:.4g} per step, so a window may hold at most "
+                                f"{window} step(s) within the drift tolerance {tol:.2g}",
+                             t_inv)
+    return Reversibility(window, f"windows of at most {window} steps (the inverse amplifies "
+                                 f"rounding by up to {growth:.4g} per step)", t_inv)
+
+
+def _next_state(step, state, i: int):
+    """``step(state, i)`` without its output, if it returns ``(next_state, output)``."""
+    x1 = step(state, i)
+    if pytree.tree_structure(x1) != pytree.tree_structure(state) and \
+            isinstance(x1, tuple) and len(x1) == 2:
+        x1 = x1[0]
+    return x1
+
+
+def _round_trip(step, inverse, state, m: int, tol: float) -> tuple[float, int] | str:
+    """``m`` steps forward from ``state`` and ``m`` inverses back: ``(drift, m)``, or why the
+    round trip fails (a non-finite state, a drift beyond ``tol``)."""
+    m = max(m, 1)
+    with torch.no_grad():
+        xs = [state]
+        for i in range(m):
+            xs.append(_next_state(step, xs[-1], i))
+        cur = xs[-1]
+        for i in reversed(range(m)):
+            cur = inverse(cur, i)
+    a = [t for t in pytree.tree_leaves(cur) if isinstance(t, torch.Tensor)]
+    b = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+    if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b, strict=True)):
+        return "the step's inverse returns another structure than the step"
+    err = relative_error(a, b)
+    if not err <= tol:
+        return (f"{m} steps forward and {m} inverses back drift by {err:.3g} (relative), "
+                f"above the tolerance {tol:.2g}")
+    return err, m
+
+
+def _time_inverse(inverse, x1, state, repeats: int = 3) -> float | None:
+    """The median time of the step's inverse on ``x1 = step(state, 0)`` [s], or ``None`` when
+    it fails here (the unroll's own check names the problem)."""
     try:
         with torch.no_grad():
-            x1 = step(state, 0)
-            shape = pytree.tree_structure(state)
-            if pytree.tree_structure(x1) != shape and isinstance(x1, tuple) and len(x1) == 2:
-                x1 = x1[0]  # (next_state, output)
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -634,7 +759,7 @@ def _sync(state) -> None:
 
 def plan(step, state, n_steps: int, *, budget: BudgetLike, params=None, device=None,
          offload: str | None = None, spill_dir: str | None = None, policy: Any = None,
-         snapshot_dtype: Any = None, group: Any = None) -> Plan:
+         snapshot_dtype: Any = None, group: Any = None, stability: Any = None) -> Plan:
     """Profile ``step`` on ``state`` (cached) and choose the fastest schedule for ``n_steps``
     steps whose predicted peak fits ``budget`` (bytes, ``"2GiB"``, ``"80%"``).
 
@@ -653,6 +778,12 @@ def plan(step, state, n_steps: int, *, budget: BudgetLike, params=None, device=N
     its own step and state (its block of a decomposed field); the profiles, budgets and
     second levels are reduced to the worst case over the ranks before choosing, so every
     rank gets the same plan, the one that fits the tightest rank (:mod:`.agree`).
+
+    A step with an inverse (``step.inverse``) gets the reversible schedule weighed only when
+    it draws no random numbers and is found stable: by its linear stability analysis
+    (``step.stability(state)``, or ``stability``, the report the caller computed already;
+    :mod:`deepsolve.stability`), whose inverse growth also bounds the windows, or, for a
+    step without one, by a forward-and-back round trip (:func:`reversibility`).
 
     Raises :class:`~deepsolve.BudgetError` (a ``ValueError``) with the minimum budget when no
     schedule fits. ``Plan.explain()`` prints the alternatives weighed.
@@ -711,13 +842,24 @@ def plan(step, state, n_steps: int, *, budget: BudgetLike, params=None, device=N
             policies.append(dataclasses.replace(measured, snapshot_bytes=prof.snapshot_bytes))
     slow = agree_level(measure_level(offload, leaves, spill_dir), group) if offload else None
     # a reversible schedule keeps its snapshots exact (the drift is measured against them)
-    t_inv = _time_inverse(step, state) if snapshot_dtype is None else None
+    rev = reversibility(step, state, n_steps, stability) if snapshot_dtype is None else None
+    if group_size(group) > 1:  # every rank weighs the same windows at the same cost
+        window = agree_min(rev.window if rev is not None else 0, group)
+        if rev is not None:
+            t = agree_max_time(rev.t_inverse or 0.0, group) if window else None
+            why = rev.why if (window or not rev.window) else \
+                "not weighed: another rank of the group did not find the step reversible"
+            rev = dataclasses.replace(rev, window=window, t_inverse=t, why=why)
+    t_inv = rev.t_inverse if rev is not None else None
     if t_inv is not None:
         prof = dataclasses.replace(prof, t_inverse=t_inv)
         if policies:
             policies = [dataclasses.replace(q, t_inverse=t_inv) for q in policies]
+    window = rev.window if rev is not None else 0
     result = choose(prof, n_steps, nbytes, slow, policies, library=library,
-                    reversible=t_inv is not None)
+                    reversible=window or False)
+    if rev is not None and not window:
+        failed.append(Alternative("reversible", 0, 0.0, False, rev.why))
     result.alternatives.extend(failed)
     if skipped:
         result.reason += f"; {skipped}"
