@@ -188,14 +188,13 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
 
 def nothing_to_train(start: RunStart, cfg: RunConfig) -> str | None:
     """Why a resumed run has no iteration left to train, or ``None``: ``""`` when its restart
-    file is at ``iterations`` (the run had finished; the restart file's stop reason, if any,
-    is kept), the time-limit reason (``"time_limit 5 min"``) when the training time it
-    records is already at or past ``time_limit`` — a run that would otherwise train one
-    more iteration before it asks the clock."""
+    file is at ``iterations`` (the run had finished), the time-limit reason (``"time_limit 5
+    min"``) when the training time it records is already at or past ``time_limit`` — a run
+    that would otherwise train one more iteration before it asks the clock."""
     if start.restart is None:
         return None
     if start.start >= int(cfg["iterations"]):
-        return str(start.restart.get("stopped", ""))
+        return ""
     limit = 60.0 * float(cfg["time_limit"] or 0)
     trained = float(start.restart.get("elapsed", 0.0))
     if limit and trained >= limit:
