@@ -393,8 +393,8 @@ def _jvp_fn(g: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, v: torch
     (``mode``, shared by the calls of one analysis)."""
     if mode[0] == "ad":
         try:
-            out, t = torch.func.jvp(g, (x,), (v,))
-            return out, t
+            res = torch.func.jvp(g, (x,), (v,))
+            return res[0], res[1]
         except (NotImplementedError, RuntimeError, TypeError):
             mode[0] = "fd"
     nv = float(v.norm())
