@@ -59,11 +59,29 @@ def test_without_grad_and_open_ended():
             ds.unroll(step, x0, until=lambda x, i: i >= 300, **kw)
 
 
-def test_compiled_segments_name_the_segment_and_its_steps():
+def test_compiled_segments_name_the_step_and_its_segment():
     step, x0, _ = make()
     seg = segments(step, 8, 400, compiled=False)
-    with pytest.raises(ds.NonFiniteError, match=r"segment 4 \(steps 32\.\.39\)"):
+    with pytest.raises(ds.NonFiniteError,
+                       match=rf"at step {BAD}, in segment 4 \(steps 32\.\.39\): "
+                             rf"x_{BAD + 1} = step\(x_{BAD}, {BAD}\)"):
         ds.unroll(seg, x0, seg.segments, snapshots=3)
+
+
+def test_the_budget_planners_probes_are_not_watched():
+    """The planner measures memory on a chain of the step run again and again as step 0,
+    beyond the unroll's length: a step finite over its own 4 steps but not over the probe's
+    chain runs, with plain autograd's gradient (the report's fault harness: it was refused
+    as non-finite at "step 5" of a 4-step unroll)."""
+    a = torch.nn.Parameter(torch.tensor(1.0, dtype=D))
+    x0 = torch.linspace(1.0, 2.0, 32, dtype=D) * 0.055
+
+    def step(x, i):
+        return torch.sqrt(x - 0.01 * a) * torch.sqrt(x - 0.01 * a)
+
+    (want,) = torch.autograd.grad(ds.unroll(step, x0, 4).sum(), a)
+    (got,) = torch.autograd.grad(ds.unroll(step, x0, 4, budget="1MiB").sum(), a)
+    assert float(got) == pytest.approx(float(want), rel=1e-12)
 
 
 def test_a_leaf_not_finite_in_x0_is_not_watched():

@@ -804,6 +804,7 @@ def execute(
     on_drift: str = "raise",
     advice: str = "",
     diagnose: Callable[[], str] | None = None,
+    watch_finite: bool = True,
 ) -> Any:
     """Run ``schedule.n_steps`` steps of ``step`` from ``state`` following ``schedule``.
 
@@ -841,7 +842,9 @@ def execute(
     Every forward state is watched for NaN and inf (:mod:`~deepsolve.engine.finite`): a
     one-line :class:`~deepsolve.engine.finite.NonFiniteError` names the first step whose
     result is not finite, with ``diagnose()`` (the caller's diagnosis of the step, one
-    clause) when given.
+    clause) when given; ``watch_finite=False`` turns the watch off, for chains that are not
+    the user's trajectory (the memory probes of :mod:`deepsolve.memory.units`, which run a
+    step again and again from one state).
     """
     context_fn = policy_context(policy)
     recorder = None if context_fn is None else Recorder(
@@ -899,7 +902,8 @@ def execute(
             raise TypeError(f"unroll: params[{k}] is a {type(p).__name__}, not a tensor")
 
     grad_on = torch.is_grad_enabled()
-    check = FiniteCheck(fn, x0, cuda_devices(x0 + explicit), hint=diagnose)
+    check = (FiniteCheck(fn, x0, cuda_devices(x0 + explicit), hint=diagnose)
+             if watch_finite else None)
     if not grad_on or sched is None or (sched.kind == "store_all" and not watch):
         return _plain_loop(fn, x0, n_steps, spec, grad_on, stats, until, max_steps,
                            recorder if grad_on else None, check)

@@ -14,7 +14,8 @@ watch over it, in every unroll:
   does);
 * **which step**: on failure the steps are replayed from ``x_0`` under the random-number
   state the unroll started with, without recording, until the first state with a
-  non-finite leaf — ``x_{i+1} = step(x_i, i)`` names step ``i`` — and
+  non-finite leaf — ``x_{i+1} = step(x_i, i)`` names step ``i``; a compiled segment's own
+  steps are then run eagerly to name the step inside it — and
   :class:`NonFiniteError` says so in one line, with the step's own diagnosis where the caller
   gives one (a reversible stepper's stability). The replay costs at most the steps already
   run, and only on failure.
@@ -84,9 +85,7 @@ class FiniteCheck:
 
     def error(self, upto: int) -> NonFiniteError:
         """The error for a non-finite ``x_upto``, with the first bad step found by replay."""
-        step, k, raised = self.locate(upto)
-        name = getattr(self.step.fn, "steps_of", None)
-        where = f"step {step}" if name is None else name(step)
+        step, k, raised, where = self.locate(upto)
         what = f"x_{step + 1} = step(x_{step}, {step})"
         if raised:
             head = (f"the state became non-finite (NaN or inf) by {where} ({what} raised "
@@ -105,23 +104,51 @@ class FiniteCheck:
                     "an overflow or a division by zero; check the step at that state")
         return NonFiniteError(f"{self.who}: {head}; {hint}")
 
-    def locate(self, upto: int) -> tuple[int, int, str]:
-        """``(i, k, raised)``: the first step ``i < upto`` whose result has a non-finite
-        watched leaf ``k``, replayed from ``x_0`` (``raised``: the exception a replayed step
-        raised instead, by name); ``(upto - 1, k, "")`` when the replay does not reproduce
-        it."""
+    def locate(self, upto: int) -> tuple[int, int, str, str]:
+        """``(i, k, raised, where)``: the first step ``i < upto`` whose result has a
+        non-finite watched leaf ``k``, replayed from ``x_0`` (``raised``: the exception a
+        replayed step raised instead, by name; ``where``: the step in words). A step of
+        compiled segments (``fn.eager_steps``) is found inside its segment by running the
+        segment's own steps eagerly, and named by both. ``(upto - 1, k, "", ...)`` when the
+        replay does not reproduce it."""
         step = self.step
         cur = list(self.x0)
         devices = list(self.rng.devices) if self.rng is not None else []
+        inner = getattr(step.fn, "eager_steps", None)
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             if self.rng is not None:
                 self.rng.restore()
             for i in range(upto):
+                rng = RngState.capture(devices) if inner is not None else None
+                prev = cur
                 try:
                     cur, _ = step(cur, i)
                 except Exception as e:  # a step that fails on the non-finite state
-                    return i, -1, type(e).__name__
+                    return i, -1, type(e).__name__, f"step {i}"
                 for k in self.idx:
                     if not all_finite(cur[k]):
-                        return i, k, ""
-        return max(upto - 1, 0), self.idx[0] if self.idx else 0, ""
+                        if inner is None:
+                            return i, k, "", f"step {i}"
+                        assert rng is not None  # captured for segments
+                        rng.restore()
+                        return self._inside(inner, prev, i, k)
+        last = max(upto - 1, 0)
+        return last, self.idx[0] if self.idx else 0, "", f"step {last}"
+
+    def _inside(self, inner: Callable, prev: list[torch.Tensor], j: int,
+                k: int) -> tuple[int, int, str, str]:
+        """The user's step inside segment ``j`` (from its start ``prev``) whose result is
+        the first non-finite one."""
+        step = self.step
+        name = step.fn.steps_of(j) if hasattr(step.fn, "steps_of") else f"segment {j}"
+        start = step._unflat(prev) if step.spec is not None else prev[0]
+        last = j
+        for i, x in inner(start, j):
+            last = i
+            leaves = [x] if step.spec is None else step._flat(x)
+            if leaves is None:
+                break
+            for kk in self.idx:
+                if not all_finite(leaves[kk]):
+                    return i, kk, "", f"step {i}, in {name}"
+        return last, k, "", name

@@ -291,6 +291,15 @@ class Segments:
             return 1
         return min(self.k, self.n_steps - j * self.k)
 
+    def eager_steps(self, state: Any, j: int):
+        """The user's steps of segment ``j`` run eagerly one by one from its start
+        ``state``: ``(i, x_{i+1})`` for each (a diagnosis, :mod:`~deepsolve.engine.finite`)."""
+        x = state
+        for i in range(j * self.k, j * self.k + self.length(j)):
+            res = self.step(x, i)
+            x = res[0] if self.has_output else res
+            yield i, x
+
     def steps_of(self, j: int) -> str:
         """Segment ``j`` in words, by the steps it runs (for error messages)."""
         a = j * self.k

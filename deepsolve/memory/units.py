@@ -357,7 +357,8 @@ def _probe_and_chain(user_step, x0, params, k, m, c, read, policy, mean, probe) 
         return user_step(x, 0)
 
     with torch.enable_grad():
-        y = execute(step, x0, probe, params=params, policy=policy)
+        # a probe, not the trajectory: the step is run again and again from x_0 as step 0
+        y = execute(step, x0, probe, params=params, policy=policy, watch_finite=False)
         del y  # the run and everything it holds go with the result
         chain: list = []
 
@@ -368,7 +369,8 @@ def _probe_and_chain(user_step, x0, params, k, m, c, read, policy, mean, probe) 
         leaves = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
                   for t in pytree.tree_leaves(x0)]
         xg = pytree.tree_unflatten(leaves, pytree.tree_structure(x0))
-        y = execute(step, xg, None, until=links, params=params, policy=policy)
+        y = execute(step, xg, None, until=links, params=params, policy=policy,
+                    watch_finite=False)
         del y
     slot = _per_unit(probe.slot_reads, probe.slot_reads[0], mean)
     kept = _per_unit(probe.tape_reads, probe.slot_reads[-1], mean)
