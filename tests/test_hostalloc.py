@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -254,6 +255,163 @@ def test_a_damaged_cached_library_is_rebuilt_not_loaded(built, tmp_path, damage)
     assert path.read_bytes() == lib.read_bytes()  # rebuilt (the compiler is deterministic)
     assert path.with_name(path.name + ".sha256").read_text() == record.read_text()
     assert sorted(os.listdir(tmp_path)) == [path.name, path.name + ".sha256"]
+
+
+def _libm() -> Path:
+    """The C math library this process mapped: a shared object that loads anywhere."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        words = line.split()
+        if len(words) >= 6 and re.search(r"/libm[.-][^/]*$", words[-1]):
+            return Path(words[-1])
+    pytest.skip("no libm mapped in this process")
+
+
+def _record(path: Path) -> None:
+    """Record the sha256 of whatever ``path`` holds as if a build had written it."""
+    path.with_name(path.name + ".sha256").write_text(f"{sha256(path)}  {path.name}\n")
+
+
+def test_another_shared_object_in_the_librarys_place_is_rebuilt(built, tmp_path):
+    """A foreign shared object (libm) in the library's place, its checksum recorded: it
+    loads but lacks the allocator's symbols (it killed every budgeted run with an
+    AttributeError at ``ds_install``); it is rebuilt, loaded and run, without a warning."""
+    lib, record = built
+    path = tmp_path / lib.name
+    shutil.copy(_libm(), path)
+    _record(path)
+    r, stderr = run_child({"DEEPSOLVE_CACHE_DIR": str(tmp_path)})
+    assert r["active"] and r["err"] <= 1e-10, r
+    assert path.read_bytes() == lib.read_bytes()
+    assert path.with_name(path.name + ".sha256").read_text() == record.read_text()
+    assert sorted(os.listdir(tmp_path)) == [path.name, path.name + ".sha256"]
+    assert _announced(stderr) == [] and "Traceback" not in stderr
+
+
+def test_a_library_whose_install_fails_is_rebuilt(built, tmp_path):
+    """A library with every symbol of the allocator whose ``ds_install`` reports failure
+    (a stub): damaged too, rebuilt, and the rebuilt one installs."""
+    cxx = shutil.which(os.environ.get("CXX") or "c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    lib, _ = built
+    src = tmp_path / "stub.cpp"
+    src.write_text('#include <cstdint>\nextern "C" {\nint ds_install(void) { return 0; }\n'
+                   "void ds_set_limit(int64_t) {}\nvoid ds_set_big_from(uint64_t) {}\n"
+                   "void ds_reset_peak(void) {}\nvoid ds_stats(int64_t*) {}\n"
+                   "int64_t ds_live(void) { return 0; }\nint64_t ds_peak(void) { return 0; }\n"
+                   "int64_t ds_mapped(void) { return 0; }\n}\n")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    path = cache / lib.name
+    subprocess.run([cxx, "-shared", "-fPIC", str(src), "-o", str(path)], check=True)
+    _record(path)
+    r, stderr = run_child({"DEEPSOLVE_CACHE_DIR": str(cache)})
+    assert r["active"] and r["err"] <= 1e-10, r
+    assert path.read_bytes() == lib.read_bytes()
+    assert sorted(os.listdir(cache)) == [path.name, path.name + ".sha256"]
+    assert _announced(stderr) == []
+
+
+def test_where_the_rebuild_is_no_allocator_either_the_fallback_is_one_line(tmp_path):
+    """A foreign library cached, and a compiler that builds nothing better (it writes libm
+    too): rebuilt once, then the fallback in one announced line; exit 0, no traceback."""
+    log, libm = tmp_path / "compiler.log", _libm()
+    cxx = tmp_path / "c++"
+    cxx.write_text(f'#!/bin/sh\necho run >> {log}\nwhile [ $# -gt 0 ]; do\n'
+                   f'  if [ "$1" = -o ]; then cp {libm} "$2"; fi\n  shift\ndone\n')
+    cxx.chmod(0o755)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    path = cache / hostalloc.library_path().name
+    shutil.copy(libm, path)
+    _record(path)
+    r, stderr = run_child({"DEEPSOLVE_CACHE_DIR": str(cache), "CXX": str(cxx)})
+    assert not r["active"] and r["err"] <= 1e-10
+    assert r["why"].startswith(f"loading deepsolve's host allocator failed: {cache}")
+    assert "is not the allocator (it does not define ds_install" in r["why"]
+    assert log.read_text().split() == ["run"]  # rebuilt once
+    lines = _announced(stderr)
+    assert len(lines) == 1 and "fix: check that CXX builds" in lines[0], stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
+def _stale(name: str) -> list[str]:
+    """What a build of ``name`` killed before its renames leaves: its temporary files."""
+    return [f".{name}.k1lled_0.tmp", f".{name}.abc_1234.sha256.tmp"]
+
+
+def _kept(name: str) -> list[str]:
+    """Names that are not the build's temporary files: never removed."""
+    return [f".{name}.tmp", f".{name}.abcdefghi.tmp", ".other.so.abcdefgh.tmp", "notes.txt"]
+
+
+def test_temporaries_of_a_killed_build_are_removed_by_the_next(built, tmp_path):
+    """A build killed mid-compile leaves a 0-byte ``.<library>.XXXXXXXX.tmp`` (and, later in
+    the build, its checksum's): the next process that builds removes them under the lock,
+    and nothing else."""
+    name = built[0].name
+    for n in _stale(name) + _kept(name):
+        (tmp_path / n).write_bytes(b"")
+    r, _ = run_child({"DEEPSOLVE_CACHE_DIR": str(tmp_path)})
+    assert r["active"] and r["err"] <= 1e-10, r
+    assert sorted(os.listdir(tmp_path)) == sorted([name, name + ".sha256", *_kept(name)])
+
+
+def _waiting_on_a_lock(pid: int) -> bool:
+    return any(line.split()[1] == "->" and line.split()[5] == str(pid)
+               for line in Path("/proc/locks").read_text().splitlines()
+               if len(line.split()) > 5)
+
+
+def test_a_live_builders_temporary_is_not_removed(built, tmp_path):
+    """While another process holds the directory's lock (a builder compiling into its
+    temporary file), a process that must build waits and removes nothing; once the lock is
+    released without a library (the builder died), its temporary file is stale: removed."""
+    import fcntl
+
+    name = built[0].name
+    live = tmp_path / _stale(name)[0]
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        live.write_bytes(b"\x7fELF half")
+        child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, DEEPSOLVE_CACHE_DIR=str(tmp_path)))
+        for _ in range(1200):
+            if _waiting_on_a_lock(child.pid) or child.poll() is not None:
+                break
+            threading.Event().wait(0.05)
+        assert _waiting_on_a_lock(child.pid), "the child never waited on the lock"
+        assert live.read_bytes() == b"\x7fELF half"
+    finally:
+        os.close(fd)  # releases the lock
+    out, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1])["active"]
+    assert sorted(os.listdir(tmp_path)) == [name, name + ".sha256"]
+
+
+def test_build_removes_stale_temporaries_only_under_the_lock(tmp_path, monkeypatch):
+    """``build`` removes earlier builds' temporary files; where the directory cannot be
+    locked (a file system without locks) it cannot tell them from a live builder's: kept."""
+    import fcntl
+
+    for n in _stale("lib.so") + _kept("lib.so"):
+        (tmp_path / n).write_bytes(b"")
+    hostalloc.build(tmp_path / "lib.so")
+    assert sorted(os.listdir(tmp_path)) == sorted(["lib.so", "lib.so.sha256",
+                                                   *_kept("lib.so")])
+
+    def no_locks(fd, op):
+        raise OSError(37, "No locks available")
+
+    for n in _stale("lib.so"):
+        (tmp_path / n).write_bytes(b"")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    hostalloc.build(tmp_path / "lib.so")
+    assert sorted(os.listdir(tmp_path)) == sorted(["lib.so", "lib.so.sha256",
+                                                   *_kept("lib.so"), *_stale("lib.so")])
 
 
 def test_processes_that_build_at_once_all_get_the_allocator(tmp_path):

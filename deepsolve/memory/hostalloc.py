@@ -22,7 +22,12 @@ allocator. The cached library is written atomically beside its sha256 (``<librar
 each a temporary file in the same directory, fsynced and renamed, the directory fsynced, one
 building process at a time under a lock on the directory), and the checksum is verified
 before the library is loaded: a truncated or damaged library — mapping one kills the process
-with SIGBUS — or one without its checksum is rebuilt, never loaded. It
+with SIGBUS — or one without its checksum is rebuilt, never loaded. A library that loads but
+is not the allocator (another shared object in its place: it lacks the allocator's symbols)
+or whose ``ds_install`` fails is damaged too: rebuilt once, and where the rebuilt one does
+not work either, deepsolve falls back (below). A builder holding the lock removes the
+temporary files that builds killed before their renames left behind (only its own temporary
+files' pattern, only under the lock: a live builder's are never removed). It
 
 * counts the usable size of every block it hands out (``malloc_usable_size``: the request
   plus the C library's rounding) — :func:`live` and :func:`peak`, the CPU counterpart of
@@ -42,10 +47,10 @@ The budget layer calls :func:`set_limit` at the start of each budgeted CPU call 
 holds no cached blocks, and it stays bounded by the limit afterwards.
 :func:`install` returns ``False`` — and deepsolve falls back to the profiler and to fixed
 glibc thresholds — where there is no C++ compiler, the cache directory cannot be written,
-the library does not load, there is no glibc (macOS), or when the environment variable
-``DEEPSOLVE_HOST_ALLOCATOR=0`` is set. Except for the last two, the fallback is announced
-once per process by a :class:`HostAllocatorWarning`: the reason, the cost and the fix in one
-line (:func:`why_inactive` holds the reason).
+the library, rebuilt, still does not load or is not the allocator, there is no glibc (macOS),
+or when the environment variable ``DEEPSOLVE_HOST_ALLOCATOR=0`` is set. Except for the last
+two, the fallback is announced once per process by a :class:`HostAllocatorWarning`: the
+reason, the cost and the fix in one line (:func:`why_inactive` holds the reason).
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -62,6 +68,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = ["install", "active", "live", "peak", "mapped", "reset_peak", "set_limit", "stats",
            "mapping",
@@ -71,6 +78,9 @@ BIG_FROM = 64 * 1024
 """Bytes from which a block is mapped and cached under a budget."""
 
 _SOURCE = Path(__file__).with_name("_hostalloc.cpp")
+_SYMBOLS = ("ds_install", "ds_set_limit", "ds_set_big_from", "ds_stats", "ds_live", "ds_peak",
+            "ds_mapped", "ds_reset_peak")
+"""What the library exports: one that loads without all of them is not the allocator."""
 _lib: ctypes.CDLL | None = None
 _tried = False
 _why = ""
@@ -89,7 +99,17 @@ class _Unavailable(RuntimeError):
         self.what, self.fix = what, fix
 
 
+class _Damaged(Exception):
+    """The cached library loads but does not work (``what``): it is rebuilt once."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        super().__init__(what)
+        self.what, self.fix = what, fix
+
+
 _CACHE_FIX = "set DEEPSOLVE_CACHE_DIR to a writable directory"
+_COMPILER_FIX = "install a working C++ compiler (g++ or clang++) or set CXX to one"
+_LOAD_FIX = "check that CXX builds for this Python's PyTorch (its C++ library and ABI)"
 
 
 def _cache_dir() -> Path:
@@ -155,24 +175,50 @@ def _make_dir(d: Path) -> None:
                            f"created ({e.strerror or e})", _CACHE_FIX) from None
 
 
+class _Lock(NamedTuple):
+    fd: int | None  # the directory's descriptor (for fsync); None where it cannot be opened
+    held: bool      # whether this process holds the directory's lock
+
+
 @contextlib.contextmanager
-def _locked(d: Path) -> Iterator[int | None]:
-    """The directory ``d`` locked (``flock``) against other processes building into it, and
-    its descriptor (for ``fsync``; ``None`` where it cannot be opened). Best effort: where
-    the file system has no locks, the checksum still keeps a mixed pair from being loaded."""
+def _locked(d: Path) -> Iterator[_Lock]:
+    """The directory ``d`` locked (``flock``) against other processes building into it.
+    Best effort: where the file system has no locks (``held`` false), the checksum still
+    keeps a mixed pair from being loaded."""
     try:
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        yield None
+        yield _Lock(None, False)
         return
     try:
         import fcntl
 
+        held = False
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX)
-        yield fd
+            held = True
+        yield _Lock(fd, held)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _remove_stale(path: Path, lock: _Lock) -> None:
+    """Remove the temporary files that earlier builds of ``path`` left behind (killed before
+    their renames): only names of the build's own pattern (``.<library>.XXXXXXXX.tmp`` and
+    ``.<library>.XXXXXXXX.sha256.tmp``, ``tempfile``'s eight characters), and only while this
+    process holds the directory's lock — every build writes its temporary files under it, so
+    none of them belongs to a live builder."""
+    if not lock.held:
+        return
+    stale = re.compile(rf"\.{re.escape(path.name)}\.[a-z0-9_]{{8}}(\.sha256)?\.tmp")
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return
+    for name in names:
+        if stale.fullmatch(name):
+            with contextlib.suppress(OSError):
+                os.unlink(path.parent / name)
 
 
 def _compiler() -> tuple[str, list[str]]:
@@ -191,7 +237,7 @@ def _compile_into(path: Path, dir_fd: int | None) -> None:
     the same way, rename both into place and fsync the directory."""
     exe, extra = _compiler()
     flags, _ = _flags()
-    fix = "install a working C++ compiler (g++ or clang++) or set CXX to one"
+    fix = _COMPILER_FIX
     temps: list[str] = []
     try:
         try:
@@ -255,35 +301,75 @@ def build(path: Path | None = None) -> Path:
     ``python -c "from deepsolve.memory import hostalloc; hostalloc.build()"``."""
     path = library_path() if path is None else Path(path)
     _make_dir(path.parent)
-    with _locked(path.parent) as dir_fd:
-        _compile_into(path, dir_fd)
+    with _locked(path.parent) as lock:
+        _remove_stale(path, lock)
+        _compile_into(path, lock.fd)
     return path
 
 
 def _load(path: Path) -> ctypes.CDLL:
-    """The library at ``path``, loaded only once its checksum matches; built (or rebuilt:
-    damaged, without a record, or not loadable) under the directory's lock otherwise."""
-    failed: OSError | None = None
+    """The library at ``path`` installed as PyTorch's CPU allocator, loaded only once its
+    checksum matches; built (or rebuilt: damaged, without a record, not loadable, without
+    the allocator's symbols, or its ``ds_install`` failing) under the directory's lock
+    otherwise — once: where the rebuilt library does not work either, ``_Unavailable``."""
+    damaged = False
     if _verified(path):
         try:
-            return ctypes.CDLL(str(path))
-        except OSError as e:  # whole but not loadable (libraries changed under it): rebuilt
-            failed = e
+            return _ready(_open(path, 0), path)
+        except _Damaged:  # loads but is not the allocator, or does not install: rebuilt
+            damaged = True
     _make_dir(path.parent)
-    with _locked(path.parent) as dir_fd:
-        if failed is None and _verified(path):  # another process built it meanwhile
-            return _open(path)
-        _compile_into(path, dir_fd)
-        return _open(path)
+    with _locked(path.parent) as lock:
+        _remove_stale(path, lock)
+        loads = int(damaged)
+        if not damaged and _verified(path):  # another process built it meanwhile
+            try:
+                return _ready(_open(path, 0), path)
+            except _Damaged:
+                loads = 1
+        _compile_into(path, lock.fd)
+        try:
+            return _ready(_open(path, loads), path)
+        except _Damaged as e:
+            raise _Unavailable(e.what, e.fix) from None
 
 
-def _open(path: Path) -> ctypes.CDLL:
+def _open(path: Path, loads: int) -> ctypes.CDLL:
+    """``dlopen`` the library at ``path``, raising ``_Damaged`` where it does not load. A
+    shared object stays loaded once it was (``ctypes`` never closes one), and the dynamic
+    loader hands the object it loaded under the same name back; so after ``loads`` loads in
+    this process, the library is opened under a name none of them used
+    (``<dir>/./<library>``: the same file)."""
+    name = os.path.join(str(path.parent), *["."] * loads, path.name)
     try:
-        return ctypes.CDLL(str(path))
-    except OSError as e:
-        raise _Unavailable(f"loading deepsolve's host allocator failed: {e}",
-                           "check that CXX builds for this Python's PyTorch (its C++ "
-                           "library and ABI)") from None
+        return ctypes.CDLL(name)
+    except OSError as e:  # whole but not loadable (libraries changed under it): rebuilt
+        raise _Damaged(f"loading deepsolve's host allocator failed: {e}", _LOAD_FIX) from None
+
+
+def _ready(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
+    """``lib`` (loaded from ``path``) with its functions' types set and installed as
+    PyTorch's CPU allocator; ``_Damaged`` where it lacks one of the allocator's symbols
+    (another shared object in the library's place) or its ``ds_install`` fails."""
+    missing = [s for s in _SYMBOLS if not hasattr(lib, s)]
+    if missing:
+        more = f" and {len(missing) - 1} more of its symbols" if len(missing) > 1 else ""
+        raise _Damaged(f"loading deepsolve's host allocator failed: {path} is not the "
+                       f"allocator (it does not define {missing[0]}{more})", _LOAD_FIX)
+    lib.ds_install.restype = ctypes.c_int
+    lib.ds_set_limit.argtypes = [ctypes.c_int64]
+    lib.ds_set_big_from.argtypes = [ctypes.c_uint64]
+    lib.ds_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.ds_live.restype = ctypes.c_int64
+    lib.ds_peak.restype = ctypes.c_int64
+    lib.ds_mapped.restype = ctypes.c_int64
+    lib.ds_set_big_from(BIG_FROM)
+    if lib.ds_install() != 1:
+        raise _Damaged("deepsolve's host allocator cannot be installed: another CPU "
+                       "allocator of higher priority is",
+                       "do not install another CPU allocator in a process that uses CPU "
+                       "budgets")
+    return lib
 
 
 def install() -> bool:
@@ -312,21 +398,6 @@ def install() -> bool:
         what = f"deepsolve's host allocator cannot be built: {e}"
         _why = what
         _announce(what, "reinstall deepsolve")
-        return False
-    lib.ds_install.restype = ctypes.c_int
-    lib.ds_set_limit.argtypes = [ctypes.c_int64]
-    lib.ds_set_big_from.argtypes = [ctypes.c_uint64]
-    lib.ds_stats.argtypes = [ctypes.POINTER(ctypes.c_int64)]
-    lib.ds_live.restype = ctypes.c_int64
-    lib.ds_peak.restype = ctypes.c_int64
-    lib.ds_mapped.restype = ctypes.c_int64
-    lib.ds_set_big_from(BIG_FROM)
-    if lib.ds_install() != 1:
-        what = ("deepsolve's host allocator cannot be installed: another CPU allocator of "
-                "higher priority is")
-        _why = what
-        _announce(what, "do not install another CPU allocator in a process that uses CPU "
-                        "budgets")
         return False
     _lib = lib
     return True
