@@ -131,9 +131,11 @@ class Context:
         budget, snapshots or a schedule; a problem method ``problem.step(ctx, x, i)``
         becomes ``step(x, i)`` (one closure per method, so the step profile is cached)."""
         n = self.horizon if n_steps is None else n_steps
+        reversible = 0
         if "budget" not in kw and "snapshots" not in kw and "schedule" not in kw:
-            if int(getattr(self.cfg, "reversible", 0) or 0) > 0:
-                kw["schedule"] = Reversible(snapshots=int(self.cfg.reversible))
+            reversible = int(getattr(self.cfg, "reversible", 0) or 0)
+            if reversible > 0:
+                kw["schedule"] = Reversible(snapshots=reversible)
             elif self.budget:
                 kw["budget"] = self.budget
             elif self.cfg.snapshots:
@@ -150,6 +152,8 @@ class Context:
             if bound is None:
                 bound = self._bound[key] = _bind_ctx(step, self)
             fn = bound
+        if reversible > 0 and not callable(getattr(fn, "inverse", None)):
+            raise ValueError(_no_inverse(step, reversible))
         return UnrollRequest(fn, state, n, kw)
 
     def unroll(self, step: Callable, state: Any, n_steps: int | None = None, **kw) -> Any:
@@ -223,6 +227,24 @@ def _bind_ctx(method, ctx):
         step.stability = (  # type: ignore[attr-defined]
             lambda x, i=0, n=None: stability(ctx, x, i, n))
     return step
+
+
+def _no_inverse(step: Callable, reversible: int) -> str:
+    """Why ``--set reversible=N`` cannot unroll ``step``: it has no inverse. One line that
+    names the problem (its file) and the method it must define."""
+    owner = getattr(step, "__self__", None)
+    if isinstance(owner, Problem):
+        name = getattr(step, "__name__", "step")
+        cls = type(owner).__name__
+        where = getattr(sys.modules.get(type(owner).__module__), "__file__", None)
+        return (f"--set reversible={reversible} needs a step with an inverse: the problem "
+                f"{cls}{f' ({where})' if where else ''} defines {name} but no "
+                f"{name}_inverse; define a method {name}_inverse(ctx, x, i) beside it (x_i "
+                "from x_(i+1); docs/reversible.md), or leave reversible at 0")
+    name = getattr(step, "__name__", None) or type(step).__name__
+    return (f"--set reversible={reversible} needs a step with an inverse: the step {name} "
+            "has none; give it step.inverse(x, i) -> the state before (deepsolve.reversible "
+            "builds such steps; docs/reversible.md), or leave reversible at 0")
 
 
 class Problem:

@@ -236,6 +236,25 @@ def test_resume_of_log_without_rows(tmp_path):
         H5Log(tmp_path / "nothing.h5", resume=True)
 
 
+def test_resuming_a_log_through_a_symbolic_link_is_refused(tmp_path):
+    """A resume reads the rows through a linked log, then publishes the new file with
+    os.replace over the link: the link became a regular file and its target stayed behind,
+    stale, in silence. Now refused in one line naming the link; nothing is changed."""
+    kept = tmp_path / "elsewhere" / "log.h5"
+    kept.parent.mkdir()
+    write_log(kept, 4)
+    link = tmp_path / "log.h5"
+    link.symlink_to(kept)
+    before = kept.read_bytes()
+    with pytest.raises(LogError, match="is a symbolic link") as e:
+        H5Log(link, resume=True)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{link} is a symbolic link (to {kept})"), msg
+    assert "would replace the link" in msg and f"copy the file into {tmp_path}" in msg, msg
+    assert link.is_symlink() and kept.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["elsewhere", "log.h5"]   # no temporary left
+
+
 def test_missing_truncated_and_garbage_files(tmp_path):
     with pytest.raises(LogError, match="no such log file") as e:
         read_log(tmp_path / "missing.h5")

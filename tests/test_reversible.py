@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -434,3 +435,33 @@ def test_a_problem_asks_for_a_reversible_unroll():
         assert rel(g, w) < 1e-9
     assert plain.inverses == 0 and stats.inverses == 39
     assert stats.reconstruction_error is not None and stats.reconstruction_error < 1e-10
+
+
+def test_the_reversible_setting_on_a_step_without_inverse_is_one_line(tmp_path, capsys):
+    """``--set reversible=4`` on a problem without ``step_inverse``: unroll's TypeError
+    reached the command line as a 47-line traceback (exit 1). The trainer's context refuses
+    it where it turns the setting into a Reversible schedule: one ValueError line naming the
+    setting, the problem and the method to define; exit 2 and no run directory made."""
+    from helpers import make_ctx
+
+    from deepsolve.cli import main
+    from deepsolve.problem import load_problem
+
+    tiny = str(Path(__file__).resolve().parent / "data" / "tiny_problem.py")
+    out = tmp_path / "run"
+    assert main(["train", tiny, "--out", str(out), "--quiet", "--set", "reversible=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("deepsolve train: error: "), err
+    for needle in ("--set reversible=4 needs a step with an inverse", "the problem Decay",
+                   "tiny_problem.py", "step_inverse(ctx, x, i) beside it"):
+        assert needle in err[0], err
+    assert not out.exists()
+    problem, _ = load_problem(tiny)
+    ctx = make_ctx(problem, ["reversible=2"])
+    with pytest.raises(ValueError, match=r"--set reversible=2 needs a step with an inverse"):
+        ctx.unroll(problem.step, ctx.data["x0"])
+    with pytest.raises(ValueError, match="the step <lambda> has none"):
+        ctx.unroll(lambda x, i: 0.9 * x, ctx.data["x0"])
+    # a schedule the call names itself is unroll's to check, as before
+    with pytest.raises(TypeError, match="needs a step with an inverse"):
+        ctx.unroll(problem.step, ctx.data["x0"], schedule=ds.Reversible())

@@ -613,6 +613,95 @@ def test_a_fifo_named_restart_pt_is_refused_before_it_is_opened(finished, tmp_pa
     assert iterations(out) == list(range(6))
 
 
+def _tree(d: Path) -> dict[str, tuple[bool, bytes]]:
+    return {p.name: (p.is_symlink(), p.read_bytes()) for p in sorted(d.iterdir())}
+
+
+@pytest.mark.parametrize("name", ["log.h5", "restart.pt"])
+def test_a_linked_log_or_restart_file_is_refused_before_anything_is_written(
+        finished, tmp_path, capsys, name):
+    """A log.h5 or restart.pt that is a symbolic link to the run's file kept elsewhere was
+    read through the link on --resume, then os.replace put a regular file where the link
+    was: the link's target stayed at 6 iterations, nothing said. Now refused in one line
+    naming the file and why, with or without --resume, the link and its target unchanged;
+    the file copied into the run directory, the run continues."""
+    out = _copy(finished, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(out / name, elsewhere / name)
+    (out / name).symlink_to(elsewhere / name)
+    before, kept = _tree(out), _tree(elsewhere)
+    capsys.readouterr()
+    for extra in (("--resume",), ()):
+        assert train(out, "--iterations", 12, *extra) == 2
+        msg = one_line_error(capsys)
+        assert f"{out / name} is a symbolic link (to {elsewhere / name})" in msg, msg
+        assert "replaces its files atomically" in msg and "would replace the link" in msg
+        assert f"copy the file into {out} instead of linking it" in msg, msg
+        assert _tree(out) == before and _tree(elsewhere) == kept
+    if name == "log.h5":   # a fresh start would replace the log, and the link: refused too
+        (out / "restart.pt").rename(tmp_path / "restart.pt")
+        assert train(out, "--iterations", 12) == 2
+        assert "log.h5 is a symbolic link" in one_line_error(capsys)
+        assert (out / name).is_symlink() and _tree(elsewhere) == kept
+        (tmp_path / "restart.pt").rename(out / "restart.pt")
+    (out / name).unlink()
+    shutil.copy(elsewhere / name, out / name)
+    assert train(out, "--iterations", 8, "--resume") == 0
+    assert iterations(out) == list(range(8)) and _tree(elsewhere) == kept
+
+
+def test_a_linked_run_directory_is_written_through(finished, tmp_path):
+    """A run directory that is itself a link (``runs/navier_stokes-latest`` of make demo):
+    the files are replaced inside the directory it points to, the link stays."""
+    real = _copy(finished, tmp_path)
+    link = tmp_path / "latest"
+    link.symlink_to(real.name)
+    assert train(link, "--iterations", 8, "--resume") == 0
+    assert link.is_symlink() and iterations(real) == list(range(8))
+    assert not (real / "log.h5").is_symlink() and not (real / "restart.pt").is_symlink()
+
+
+def test_a_log_with_iterations_out_of_order_is_refused_saying_which(finished, tmp_path,
+                                                                     capsys):
+    """A log with iterations 0,1,2,2,4,5 beside restart.pt at 6 was refused as "log.h5 has 6
+    rows (iterations 0..5), not iterations 0..5". The message now names the first offending
+    rows: the repeated iteration and the missing one."""
+    import h5py
+
+    out = _copy(finished, tmp_path)
+    with h5py.File(out / "log.h5", "r+") as f:
+        f["iteration"][3] = 2
+    before = _tree(out)
+    capsys.readouterr()
+    assert train(out, "--iterations", 12, "--resume") == 2
+    msg = one_line_error(capsys)
+    assert f"{out / 'restart.pt'} is at iteration 6 but {out / 'log.h5'} has 6 rows whose " \
+        "iterations are not 0..5 in order (iteration 2 appears twice, at rows 2 and 3; " \
+        "iteration 3 is missing)" in msg, msg
+    assert "not iterations 0..5" not in msg, msg
+    assert _tree(out) == before
+
+
+@pytest.mark.parametrize("rows,k,want", [
+    ([0, 1, 2, 3], 6, "4 rows (iterations 0..3), not iterations 0..5"),
+    ([], 3, "no rows, not iterations 0..2"),
+    (None, 3, "no log, not iterations 0..2"),
+    ([0, 1, 2, 3, 4, 5, 6], 6, None),
+    ([0, 2, 1, 3], 4, "4 rows whose iterations are not 0..3 in order (row 1 holds iteration 2)"),
+    ([0, 1, 1, 1], 4, "4 rows whose iterations are not 0..3 in order (iteration 1 appears 3 "
+     "times, at rows 1, 2 and 3; iteration 2 is missing)"),
+    ([0, 1, 2, 7, 8], 5, "5 rows whose iterations are not 0..4 in order (iteration 3 is "
+     "missing)"),
+    ([0, 1, 1], 5, "3 rows whose iterations are not 0..4 in order (iteration 1 appears "
+     "twice, at rows 1 and 2; iteration 2 is missing)"),
+])
+def test_what_keeps_a_log_from_its_restart_file(rows, k, want):
+    from deepsolve.training.rundir import _rows_mismatch
+
+    assert _rows_mismatch(None if rows is None else np.array(rows, np.int64), k) == want
+
+
 TWO_SCALARS = """
 import torch
 import deepsolve

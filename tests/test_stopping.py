@@ -146,6 +146,30 @@ def test_a_target_naming_a_loss_term_the_problem_lacks_fails_before_the_first_it
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files
 
 
+@pytest.mark.timeout(120)
+def test_a_missing_target_term_on_resume_is_one_line_before_any_warning(tmp_path, capsys):
+    """``--resume --set target=loss/nope:1e-3`` printed the restart's warning ("resuming
+    with settings that differ ... target '' -> 'loss/nope:1e-3'") and then the refusal: the
+    target is now checked before the warnings are said, so the refusal is the one line; a
+    target that exists is warned about as before, once."""
+    out = tmp_path / "run"
+    assert main(["train", TINY, "--out", str(out), "--quiet", "--iterations", "6"]) == 0
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(["train", TINY, "--out", str(out), "--quiet", "--iterations", "12",
+                 "--resume", "--set", "target=loss/nope:1e-3", "--set",
+                 "true_rate=0.5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("deepsolve train: error: "), err
+    assert "no loss term 'loss/nope'" in err[0] and "loss/misfit" in err[0], err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == files
+    assert main(["train", TINY, "--out", str(out), "--quiet", "--iterations", "8",
+                 "--resume", "--set", "target=loss/misfit:1e-12"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "resuming with settings that differ" in err[0], err
+    assert "target '' -> 'loss/misfit:1e-12'" in err[0], err
+
+
 RANDOM_TERMS = '''
 import numpy as np
 import torch

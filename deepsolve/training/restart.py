@@ -25,7 +25,6 @@ import torch
 
 from ..config import RunConfig
 from ..problem import Context, Problem
-from .progress import note
 from .rng import check_rng_state, rng_state, rng_state_problem, set_rng_state
 
 __all__ = ["RestartError", "save_restart", "load_restart", "restore", "changed_settings",
@@ -494,12 +493,13 @@ def _model_not_finite(model: torch.nn.Module, sd: Mapping[str, Any]) -> str | No
 
 
 def restore(path: str, state: dict[str, Any], problem: Problem, ctx: Context, optimizer: Any,
-            scheduler: Any, problem_path: str, sha: str) -> None:
+            scheduler: Any, problem_path: str, sha: str) -> list[str]:
     """Check a restart file's contents against the run (its model ``ctx.model``, optimiser,
     scheduler, random state and settings) and load them. Everything is checked before
     anything is loaded; one-line :class:`RestartError` naming what does not match (and the
-    problem file's recorded hash when it differs). Warns (one line) when the problem file
-    changed but the restart still fits."""
+    problem file's recorded hash when it differs). Returns the warnings (one line each) for
+    the caller to print once the rest of the set-up has passed its checks: the problem file
+    changed, or settings changed, but the restart still fits."""
     model = ctx.model
     assert model is not None  # build() checked it
     recorded = state.get("problem_sha256")
@@ -541,12 +541,14 @@ def restore(path: str, state: dict[str, Any], problem: Problem, ctx: Context, op
         except Exception as e:
             raise fail(f"{what} does not load ({type(e).__name__}: "
                        f"{' '.join(str(e).split())[:200]})") from None
+    said: list[str] = []
     if changed:
-        note(f"warning: {problem_path} has changed since {path} was written (recorded "
-              f"sha256 {recorded}, now {sha}); resuming with the changed file")
+        said.append(f"warning: {problem_path} has changed since {path} was written (recorded "
+                    f"sha256 {recorded}, now {sha}); resuming with the changed file")
     if settings:
-        note(f"warning: resuming with settings that differ from {path}'s: "
-              f"{_names(settings, 8)}")
+        said.append(f"warning: resuming with settings that differ from {path}'s: "
+                    f"{_names(settings, 8)}")
+    return said
 
 
 #: Settings a resumed run may change without a warning: how long and how it runs, not what.

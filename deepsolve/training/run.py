@@ -318,9 +318,10 @@ class Run:
             optimizer = problem.optimizer(ctx, params)
             scheduler = getattr(problem, "scheduler", lambda ctx, opt: None)(ctx, optimizer)
             elapsed = float((self.begin.restart or {}).get("elapsed", 0.0))
+            warned: list[str] = []   # said once the target has been checked too
             if self.begin.restart is not None:
-                restore(self.files.restart, self.begin.restart, problem, ctx, optimizer,
-                        scheduler, self.problem_path, sha)
+                warned = restore(self.files.restart, self.begin.restart, problem, ctx,
+                                 optimizer, scheduler, self.problem_path, sha)
                 self.begin.restart = None
             with torch.no_grad():  # a new log's baseline
                 baseline, baseline_curves = split_evaluation(problem.evaluate(ctx))
@@ -331,6 +332,8 @@ class Run:
                                      self.problem_path,
                                      terms=lambda: loss_term_names(problem, ctx,
                                                                    self.begin.start, stages))
+            for line in warned:
+                note(line)
         except BaseException:
             if self.begin.created and self.main:
                 remove_empty_dir(self.files.run_dir)

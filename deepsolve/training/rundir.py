@@ -175,6 +175,9 @@ def inspect_run_dir(run_dir: str, log_path: str, restart_path: str, resume: bool
     """Decide how to start from what the directory holds; one-line errors. Nothing is
     changed here: the restart file's fields and the log's rows are checked first.
 
+    * a ``log.h5`` or ``restart.pt`` that is a symbolic link: refused, whatever the start
+      (the run replaces both files atomically, which would replace the link and leave its
+      target stale); a run directory that is itself a link is written through, as any;
     * nothing (no log, no restart file): a fresh run starts at iteration 0; ``--resume`` is
       refused (a mistyped ``--out`` must not start a new run in silence);
     * a log but no restart file (a run stopped before its first one): it cannot be
@@ -185,7 +188,12 @@ def inspect_run_dir(run_dir: str, log_path: str, restart_path: str, resume: bool
       its rows after them are dropped (they are re-run).
     """
     from ..io import LogError, log_iterations
+    from ..io.log.files import replaced_link
 
+    for path in (restart_path, log_path):   # the run replaces both, never through a link
+        linked = replaced_link(path, run_dir)
+        if linked is not None:
+            raise ValueError(linked)
     has_restart = os.path.lexists(restart_path)
     try:
         rows = log_iterations(log_path)
@@ -223,15 +231,49 @@ def inspect_run_dir(run_dir: str, log_path: str, restart_path: str, resume: bool
         if log_err is not None:
             raise RestartError(f"{log_err}; the restart file (iteration {k}) needs the log's "
                                f"rows 0..{k - 1}")
-        have = np.zeros(0, np.int64) if rows is None else rows
-        if len(have) < k or not np.array_equal(have[:k], np.arange(k)):
-            what = "no log" if rows is None else "no rows" if not len(have) else \
-                f"{len(have)} rows (iterations {int(have[0])}..{int(have[-1])})"
+        what = _rows_mismatch(rows, k)
+        if what is not None:
             raise RestartError(
-                f"{restart_path} is at iteration {k} but {log_path} has {what}, not "
-                f"iterations 0..{k - 1}: the two do not belong together; move restart.pt away "
-                "to start the run over, or put back the log that goes with it")
+                f"{restart_path} is at iteration {k} but {log_path} has {what}: the two do "
+                "not belong together; move restart.pt away to start the run over, or put back "
+                "the log that goes with it")
     return RunStart(start=k, restart=state, resume_log=rows is not None and len(rows) > 0)
+
+
+def _rows_mismatch(rows: np.ndarray | None, k: int) -> str | None:
+    """What keeps a log whose ``iteration`` column is ``rows`` (``None``: no log) from going
+    with a restart file at iteration ``k``, which needs rows 0..k-1 first, in order; ``None``
+    when they go together. The first offending rows are named: a repeated iteration, the
+    first missing one, or the first row out of order."""
+    want = f"iterations 0..{k - 1}"
+    if rows is None:
+        return f"no log, not {want}"
+    n = len(rows)
+    if n == 0:
+        return f"no rows, not {want}"
+    head = [int(v) for v in rows[:k]]
+    if head == list(range(len(head))):
+        if n >= k:
+            return None
+        return f"{n} rows (iterations 0..{n - 1}), not {want}"
+    why: list[str] = []
+    seen: set[int] = set()
+    for v in head:
+        if v in seen:
+            at = [i for i, u in enumerate(head) if u == v]
+            times = "twice" if len(at) == 2 else f"{len(at)} times"
+            where = ", ".join(map(str, at[:-1])) + f" and {at[-1]}"
+            why.append(f"iteration {v} appears {times}, at rows {where}")
+            break
+        seen.add(v)
+    present = set(head)
+    missing = next((m for m in range(k) if m not in present), None)
+    if missing is not None:
+        why.append(f"iteration {missing} is missing")
+    if not why:   # each of 0..k-1 once, in another order
+        j = next(j for j, v in enumerate(head) if v != j)
+        why.append(f"row {j} holds iteration {head[j]}")
+    return f"{n} rows whose iterations are not 0..{k - 1} in order ({'; '.join(why)})"
 
 
 def _make_dir(run_dir: str) -> bool:

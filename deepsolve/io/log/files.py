@@ -16,7 +16,7 @@ from typing import Any
 
 import h5py
 
-__all__ = ["LogError", "EmptyLogError"]
+__all__ = ["LogError", "EmptyLogError", "replaced_link"]
 
 
 class LogError(ValueError):
@@ -214,6 +214,25 @@ def _resolve(path: str | os.PathLike) -> Path:
 
 
 # -------------------------------------------------------------------------------- writing
+
+
+def replaced_link(path: str | os.PathLike, where: str | None = None) -> str | None:
+    """Why a file that deepsolve replaces (a log, a restart file) cannot be a symbolic link,
+    in one line naming it and the link's target; ``None`` when ``path`` is no link. A file is
+    replaced atomically — written whole beside the name, then renamed over it — which puts a
+    regular file where the link was and leaves the file it points to behind, stale.
+    ``where``: the directory to copy the file into (default: the link's own)."""
+    p = os.fspath(path)
+    if not os.path.islink(p):
+        return None
+    try:
+        target = os.readlink(p)
+    except OSError:
+        target = "?"
+    into = where if where is not None else (os.path.dirname(p) or ".")
+    return (f"{p} is a symbolic link (to {target}): deepsolve replaces its files atomically "
+            "(a new file renamed over the name), which would replace the link and leave the "
+            f"file it points to behind, stale; copy the file into {into} instead of linking it")
 
 
 def _tmp_path(path: Path) -> Path:

@@ -25,7 +25,16 @@ from typing import Any
 import h5py
 import numpy as np
 
-from .files import EmptyLogError, LogError, _one_line, _open, _open_for_reading, _remove, _tmp_path
+from .files import (
+    EmptyLogError,
+    LogError,
+    _one_line,
+    _open,
+    _open_for_reading,
+    _remove,
+    _tmp_path,
+    replaced_link,
+)
 from .read import _check_schema, _read, read_curves
 from .schema import (
     _CHUNK,
@@ -58,7 +67,8 @@ class H5Log:
             when given) and attributes are copied into a fresh file that replaces it. A log
             whose writer was killed (left marked open for SWMR writing) is recovered that way
             (a ``RuntimeWarning`` says so; ``recovered`` is True). A log without rows (0
-            bytes, no columns) resumes as a new one.
+            bytes, no columns) resumes as a new one. A symbolic link is refused
+            (:class:`LogError`): the fresh file would replace the link, not its target.
         keep_through: with ``resume``: keep only the rows up to this iteration (the restart
             file's iteration - 1); ``None`` keeps them all.
         locking: HDF5 file locking of the writer; ``None`` follows ``HDF5_USE_FILE_LOCKING``
@@ -121,6 +131,9 @@ class H5Log:
         p = self.path
         if not os.path.lexists(p):
             raise LogError(f"{p}: no log to resume")
+        linked = replaced_link(p)
+        if linked is not None:   # its rows would be read through the link, then replace it
+            raise LogError(linked)
         raw: dict[str, Any] = {}
         data: dict[str, np.ndarray] = {}
         kinds: list[tuple[str, str, str]] = []
