@@ -26,7 +26,7 @@ import only the public names re-exported here.
 """
 
 from .executor import Tape, Truncation, UnrollRun, UnrollStats, check_truncate, execute
-from .finite import FiniteCheck, NonFiniteError, all_finite
+from .finite import EVERY, FiniteCheck, NonFiniteError, all_finite
 from .graph import (
     closure_leaves,
     constant_leaves,
@@ -75,7 +75,7 @@ from .storage import (
 )
 
 __all__ = [
-    "FiniteCheck", "NonFiniteError", "all_finite",
+    "EVERY", "FiniteCheck", "NonFiniteError", "all_finite",
     "CompileError", "INDEX", "Segments", "segment_count", "segments", "step_identity",
     "StepCache", "forget_step",
     "Autocast", "CompiledPolicy", "ON_DRIFT", "EXPENSIVE_OPS", "GradSum", "HostStorage",
