@@ -137,8 +137,8 @@ FLOORS = [
 FLOOR = {name: k for k, names in enumerate(FLOORS) for name in names}
 
 # the training package's modules in their order: each imports only those before it
-TRAINING = ["progress", "signals", "rng", "restart", "rundir", "rows", "prepare", "check",
-            "stopping", "run", "__init__"]
+TRAINING = ["progress", "signals", "rng", "restart_check", "restart", "rundir", "rows", "terms",
+            "prepare", "check", "stopping", "start", "run", "__init__"]
 
 
 def _target(mod: str, names: list[str]) -> list[str]:

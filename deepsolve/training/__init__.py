@@ -31,13 +31,17 @@ One concern per module, each importing only those listed before it:
 * :mod:`.progress` — notes on stderr and the progress bar or lines;
 * :mod:`.signals` — SIGTERM / SIGUSR1 / SIGINT to a clean stop, the exit codes;
 * :mod:`.rng` — the random state a restart file records;
+* :mod:`.restart_check` — what a restart file must hold, field by field;
 * :mod:`.restart` — restart files: atomic writes, checked reads, matched restores;
 * :mod:`.rundir` — the run directory: made, locked, inspected before a start;
 * :mod:`.rows` — what one iteration's log row holds;
+* :mod:`.terms` — the names of the loss terms, from one evaluation before training;
 * :mod:`.prepare` — settings, threads, the problem built, the checks before the first
   iteration, ``deepsolve plan``;
 * :mod:`.stopping` — a run's ``target`` and ``time_limit``: when it stops, and whether a
   resumed one has anything to train;
+* :mod:`.start` — the start decided on rank 0 and followed by every rank, and the answer
+  of a resumed run with nothing left to train;
 * :mod:`.run` — :func:`train` and the :class:`Run` (set-up, loop, iteration, checkpoint).
 """
 

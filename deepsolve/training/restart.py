@@ -5,10 +5,11 @@ before anything is loaded.
 optimiser's and scheduler's state dicts, the random state (:mod:`.rng`), the settings as JSON,
 the problem file's sha256 and the problem's own ``state_dict(ctx)``. :func:`save_restart`
 writes a temporary file, fsyncs it and renames it over the old one, so a kill at any moment
-leaves the previous file intact; :func:`load_restart` refuses what is not a regular file, not
-a dict, or has fields of the wrong type; :func:`restore` checks the model keys and shapes, the
-optimiser's groups and per-parameter state, the random state and the settings against the
-run, and loads only when everything fits. Errors are :class:`RestartError`, one line.
+leaves the previous file intact; :func:`load_restart` refuses what is not a regular file, and
+contents that are not what a restart file holds, field by field (:mod:`.restart_check`);
+:func:`restore` checks the model keys and shapes, the optimiser's groups and per-parameter
+state, the random state and the settings against the run, and loads only when everything
+fits. Errors are :class:`RestartError`, one line.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import stat
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..config import RunConfig
 from ..problem import Context, Problem
-from .rng import check_rng_state, rng_state, rng_state_problem, set_rng_state
+from .restart_check import PARAM_SHAPED, listed, param_state_problem, restart_problem, scalar
+from .rng import check_rng_state, rng_state, set_rng_state
 
 __all__ = ["RestartError", "save_restart", "load_restart", "restore", "changed_settings",
            "settings_dict", "remove_quietly"]
@@ -85,21 +86,12 @@ def save_restart(path: str, *, iteration: int, model, optimizer, scheduler, ctx:
         raise
 
 
-_REQUIRED = ("iteration", "model", "optimizer", "rng")
-
-
-_TYPES: dict[str, tuple[type, ...]] = {
-    "model": (Mapping,), "optimizer": (Mapping,), "rng": (Mapping,), "scheduler": (Mapping,),
-    "problem": (Mapping,), "config": (str,), "problem_sha256": (str,),
-    "elapsed": (float, int), "stopped": (str,), "stopped_by": (str,),
-}
-
-
 def load_restart(path: str) -> dict[str, Any]:
     """Load a restart file (``torch.load(weights_only=True)``; a FIFO, device or directory is
-    refused before it is opened) and check its fields: a dict
-    with ``iteration`` (an int >= 0), ``model``, ``optimizer`` and ``rng`` (dicts), and the
-    optional fields of the right types. Raises :class:`RestartError` (one line)."""
+    refused before it is opened) and check its fields (:func:`.restart_check.restart_problem`):
+    a dict with ``iteration`` (an int >= 0, returned as an ``int``), ``model``, ``optimizer``
+    and ``rng`` (dicts), and the optional fields of the right types, each well formed. Raises
+    :class:`RestartError` (one line)."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -123,180 +115,11 @@ def load_restart(path: str) -> dict[str, Any]:
         raise RestartError(f"--resume: cannot read the restart file {path} "
                            f"({type(e).__name__}: {why}); it is not a restart file written by "
                            "deepsolve, or it is damaged") from None
-    if not isinstance(state, dict):
-        raise RestartError(f"{path}: not a restart file (it holds a {type(state).__name__}, "
-                           "not a dict)")
-    missing = [k for k in _REQUIRED if k not in state]
-    if missing:
-        raise RestartError(f"{path}: not a complete restart file: no "
-                           f"{', '.join(map(repr, missing))}")
-    for name, types in _TYPES.items():
-        if name in state and not isinstance(state[name], types):
-            raise RestartError(f"{path}: {name!r} is a {type(state[name]).__name__}, not a "
-                               f"{'dict' if types == (Mapping,) else 'str'}")
-    k = state["iteration"]
-    if isinstance(k, torch.Tensor) and k.numel() == 1 and not k.is_floating_point():
-        k = int(k.item())
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
-        raise RestartError(f"{path}: 'iteration' is {type(k).__name__} {str(k)[:40]}, not an "
-                           "integer")
-    if k < 0:
-        raise RestartError(f"{path}: 'iteration' is {k}; a restart file's iteration is >= 0")
-    state["iteration"] = int(k)
-    bad = _field_problem(state)
+    bad = restart_problem(state)
     if bad:
-        raise RestartError(f"{path}: {bad}: the file is damaged or was edited; put back the "
-                           "one the run wrote, or move it away to start the run over")
-    steps = _optimizer_steps(state["optimizer"])
-    if steps is not None and steps > k:
-        raise RestartError(f"{path}: 'iteration' is {k} but the optimizer has taken {steps} "
-                           "steps (one per iteration): the file's fields do not belong "
-                           "together")
+        raise RestartError(f"{path}: {bad}")
+    state["iteration"] = int(scalar(state["iteration"]))
     return state
-
-
-def _shown(v: Any) -> str:
-    """``v`` for an error message: its repr on one line, at most 40 characters."""
-    return " ".join(repr(v).split())[:40]
-
-
-def _field_problem(state: Mapping[str, Any]) -> str | None:
-    """What is wrong with a restart file's fields taken on their own (before the run is
-    known), naming the field; ``None`` when every field is well formed. The required fields
-    and the types of the optional ones were checked before; here: the model's entries are
-    tensors; the optimizer's groups, parameter ids and per-parameter state (step counts
-    >= 0, moments finite, one shape per parameter); the scheduler's counters; the RNG
-    states (:func:`.rng.rng_state_problem`); ``config`` the JSON object of the settings;
-    ``problem_sha256`` a SHA-256; ``elapsed`` finite and >= 0; ``stopped`` and
-    ``stopped_by`` a reason the trainer writes."""
-    for k, v in state["model"].items():
-        if not isinstance(k, str):
-            return f"'model' has a key {_shown(k)}, not a parameter or buffer name"
-        if not isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):
-            return f"'model' entry {k!r} is a {type(v).__name__}, not a tensor"
-    why = _optimizer_problem(state["optimizer"])
-    if why:
-        return why
-    sched = state.get("scheduler") or {}
-    for key, low in (("last_epoch", -1), ("_step_count", 0)):
-        if key in sched:
-            n = _scalar(sched[key])
-            if isinstance(n, bool) or not isinstance(n, int) or n < low:
-                return f"'scheduler' {key} is {_shown(sched[key])}, not an integer >= {low}"
-    why = rng_state_problem(state["rng"])
-    if why:
-        return why
-    if "config" in state:
-        try:
-            cfg = json.loads(state["config"])
-        except ValueError as e:
-            return (f"'config' is not JSON ({_shown(state['config'])}: "
-                    f"{str(e).split(':')[0]})")
-        if not isinstance(cfg, dict):
-            return f"'config' is a JSON {type(cfg).__name__}, not the object of the settings"
-    sha = state.get("problem_sha256")
-    if sha is not None and (len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha)):
-        return f"'problem_sha256' is {_shown(sha)}, not a SHA-256 (64 hex digits)"
-    if "elapsed" in state:
-        t = state["elapsed"]
-        if isinstance(t, bool) or not math.isfinite(t) or t < 0:
-            return f"'elapsed' is {_shown(t)}, not a finite number of seconds >= 0"
-    return _stopped_problem(state.get("stopped", ""), state.get("stopped_by", ""))
-
-
-def _stopped_problem(reason: str, by: str) -> str | None:
-    """Why ``stopped`` / ``stopped_by`` are not what :meth:`.stopping.Stopping.state`
-    writes: ``""`` and ``""``; ``"target NAME VALUE <= LEVEL"`` and ``"NAME:LEVEL"``;
-    ``"time_limit M min"`` and the limit in seconds."""
-    if reason == "":
-        return None if by == "" else f"'stopped_by' is {_shown(by)} but 'stopped' is empty"
-    if reason.startswith("target "):
-        name, _, level = by.rpartition(":")
-        try:
-            ok = bool(name) and math.isfinite(float(level)) and float(level) > 0
-        except ValueError:
-            ok = False
-        return None if ok else (f"'stopped_by' is {_shown(by)}, not the NAME:LEVEL of the "
-                                "target the run reached")
-    if reason.startswith("time_limit "):
-        try:
-            ok = math.isfinite(float(by)) and float(by) > 0
-        except ValueError:
-            ok = False
-        return None if ok else (f"'stopped_by' is {_shown(by)}, not the time limit in "
-                                "seconds (> 0)")
-    return f"'stopped' is {_shown(reason)}, not a reason the trainer writes (target, time_limit)"
-
-
-def _optimizer_problem(opt: Mapping, name: str = "optimizer") -> str | None:
-    """What is wrong with a ``torch.optim`` state dict on its own: ``param_groups`` a list
-    of dicts whose ``params`` are distinct integer ids >= 0, ``state`` a dict of those ids
-    to dicts, each with a step count >= 0, finite moments (second moments >= 0) of one
-    shape. An optimizer of its own that nests such state dicts (Adam then L-BFGS) has each
-    checked (``name``: where, for the message); :func:`restore` compares all of them with
-    the optimizer."""
-    if "param_groups" not in opt and "state" not in opt:
-        for key, sub in opt.items():
-            why = _optimizer_problem(sub, f"{name}.{key}") if isinstance(sub, Mapping) else None
-            if why:
-                return why
-        return None
-    groups, st = opt.get("param_groups"), opt.get("state")
-    if not isinstance(groups, list) or not isinstance(st, Mapping):
-        return f"'{name}' has no 'param_groups' list and 'state' dict"
-    ids: list[int] = []
-    for i, g in enumerate(groups):
-        if not isinstance(g, Mapping) or not isinstance(g.get("params"), list):
-            return f"'{name}' parameter group {i} has no 'params' list"
-        for pid in g["params"]:
-            if isinstance(pid, bool) or not isinstance(pid, int) or pid < 0:
-                return (f"'{name}' parameter group {i} names the parameter {_shown(pid)}, "
-                        "not an id >= 0")
-            ids.append(pid)
-    if len(set(ids)) != len(ids):
-        twice = sorted({p for p in ids if ids.count(p) > 1})
-        return f"'{name}' names parameter {_names([str(p) for p in twice])} twice"
-    for pid, entry in st.items():
-        if pid not in set(ids):
-            return (f"'{name}' has state for parameter {_shown(pid)}, which no parameter "
-                    "group holds")
-        if not isinstance(entry, Mapping):
-            return (f"'{name}' state of parameter {pid} is a {type(entry).__name__}, not "
-                    "a dict")
-        step = entry.get("step")
-        if isinstance(step, torch.Tensor) and step.numel() != 1:
-            return (f"'{name}' step of parameter {pid} is a tensor of shape "
-                    f"{tuple(step.shape)}, not one count")
-        why = _bad_param_state(entry, pid, "")
-        if why:
-            detail = why.removeprefix("the optimizer's ")
-            return f"'{name}' {detail}"
-        shapes = {k: tuple(v.shape) for k, v in entry.items()
-                  if k in _PARAM_SHAPED and isinstance(v, torch.Tensor)}
-        if len(set(shapes.values())) > 1:
-            return (f"'{name}' state of parameter {pid} has moments of different shapes "
-                    f"({', '.join(f'{k} {v}' for k, v in shapes.items())})")
-    return None
-
-
-def _optimizer_steps(opt_state: Mapping) -> int | None:
-    """The most steps a standard ``torch.optim`` state records (Adam's ``step``), if any."""
-    st = opt_state.get("state")
-    if not isinstance(st, Mapping):
-        return None
-    most = None
-    for entry in st.values():
-        v = entry.get("step") if isinstance(entry, Mapping) else None
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            most = int(v) if most is None else max(most, int(v))
-    return most
-
-
-def _names(keys: list[str], at_most: int = 5) -> str:
-    more = f" and {len(keys) - at_most} more" if len(keys) > at_most else ""
-    return ", ".join(keys[:at_most]) + more
 
 
 def _model_mismatch(model: torch.nn.Module, sd: Mapping[str, Any]) -> str | None:
@@ -305,9 +128,9 @@ def _model_mismatch(model: torch.nn.Module, sd: Mapping[str, Any]) -> str | None
     unexpected = [str(k) for k in sd if k not in own]
     parts = []
     if missing:
-        parts.append(f"missing {_names(missing)}")
+        parts.append(f"missing {listed(missing)}")
     if unexpected:
-        parts.append(f"unexpected {_names(unexpected)}")
+        parts.append(f"unexpected {listed(unexpected)}")
     shapes = []
     for k, v in own.items():
         if k in sd:
@@ -318,17 +141,8 @@ def _model_mismatch(model: torch.nn.Module, sd: Mapping[str, Any]) -> str | None
                 shapes.append(f"{k} {tuple(w.shape)} in the restart, {tuple(v.shape)} in the "
                               "model")
     if shapes:
-        parts.append("shape " + _names(shapes, 3))
+        parts.append("shape " + listed(shapes, 3))
     return "; ".join(parts) if parts else None
-
-
-_PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
-                 "acc_delta", "sum")
-
-
-#: Per-parameter optimizer state that is >= 0 by construction (second moments, sums of
-#: squares; Adam's step count).
-_NONNEGATIVE_STATE = ("step", "exp_avg_sq", "max_exp_avg_sq", "square_avg", "acc_delta", "sum")
 
 
 #: Hyperparameters in [0, 1) (each entry of ``betas``) or [0, 1].
@@ -338,18 +152,11 @@ _UNIT_OPEN = ("betas",)
 _UNIT_CLOSED = ("momentum", "dampening", "rho")
 
 
-def _scalar(v: Any) -> Any:
-    """A one-element tensor as its Python number; anything else as it is."""
-    if isinstance(v, torch.Tensor) and v.numel() == 1:
-        return v.item()
-    return v
-
-
 def _bad_setting(key: str, own: Any, got: Any) -> str | None:
     """Why ``got`` (a restart's value of the setting ``key``) cannot stand for ``own`` (the
     value the optimizer the problem builds has): a different type, a sign or a range that
     value cannot have, NaN; ``None`` when it fits."""
-    own, got = _scalar(own), _scalar(got)
+    own, got = scalar(own), scalar(got)
     shown = " ".join(repr(got).split())[:40]
     if own is None:                     # e.g. foreach=None: torch decides
         return None
@@ -379,28 +186,6 @@ def _bad_setting(key: str, own: Any, got: Any) -> str | None:
         return None
     if isinstance(own, str) and not isinstance(got, str):
         return f"is {type(got).__name__} {shown}, not a string"
-    return None
-
-
-def _bad_param_state(entry: Mapping, pid: Any, at: str) -> str | None:
-    """What is wrong with one parameter's optimizer state (moments, step count): non-finite
-    values, or negative ones where they cannot be."""
-    for k, v in entry.items():
-        tensors = [v] if isinstance(v, torch.Tensor) else \
-            [t for t in v if isinstance(t, torch.Tensor)] if isinstance(v, (list, tuple)) else []
-        for t in tensors:
-            if t.is_floating_point() or t.is_complex():
-                if not bool(torch.isfinite(t).all()):
-                    return f"the optimizer's {k} of parameter {pid}{at} is not finite (NaN/inf)"
-            if k in _NONNEGATIVE_STATE and not t.is_complex() and t.numel() and \
-                    bool((t < 0).any()):
-                return (f"the optimizer's {k} of parameter {pid}{at} is negative "
-                        f"({float(t.min()):.4g}); it is >= 0 in any run")
-        if k == "step" and not isinstance(v, torch.Tensor):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or \
-                    not math.isfinite(v) or v < 0:
-                return (f"the optimizer's step of parameter {pid}{at} is "
-                        f"{' '.join(repr(v).split())[:40]}, not a count >= 0")
     return None
 
 
@@ -439,16 +224,16 @@ def _optimizer_mismatch(optimizer: Any, own: Mapping, got: Any, where: str = "")
                 if why:
                     return f"the optimizer's {key} in parameter group {i}{at} {why}"
         if ids != own_ids:
-            return (f"the optimizer state's parameter mapping{at} {_names(list(map(str, ids)))} "
-                    f"is not the optimizer's {_names(list(map(str, own_ids)))} (its moments "
+            return (f"the optimizer state's parameter mapping{at} {listed(list(map(str, ids)))} "
+                    f"is not the optimizer's {listed(list(map(str, own_ids)))} (its moments "
                     "would go to other parameters)")
         extra = [str(k) for k in st if k not in set(own_ids)]
         if extra:
-            return (f"the optimizer state{at} has entries for parameters {_names(extra)}, which "
+            return (f"the optimizer state{at} has entries for parameters {listed(extra)}, which "
                     "the optimizer does not have")
         for pid, entry in st.items():
             if isinstance(entry, Mapping):
-                why = _bad_param_state(entry, pid, at)
+                why = param_state_problem(entry, pid, at)
                 if why:
                     return why
         if not where and hasattr(optimizer, "param_groups"):
@@ -458,7 +243,7 @@ def _optimizer_mismatch(optimizer: Any, own: Mapping, got: Any, where: str = "")
                     entry = st.get(pid)
                     if not isinstance(entry, Mapping):
                         continue
-                    for k in _PARAM_SHAPED:
+                    for k in PARAM_SHAPED:
                         v = entry.get(k)
                         if isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(p.shape):
                             return (f"the optimizer's {k} of parameter {pid} has shape "
@@ -466,7 +251,7 @@ def _optimizer_mismatch(optimizer: Any, own: Mapping, got: Any, where: str = "")
         return None
     missing = [str(k) for k in own if k not in got]
     if missing:
-        return f"the optimizer state{at} has no {_names(missing)}"
+        return f"the optimizer state{at} has no {listed(missing)}"
     for k, v in own.items():
         if isinstance(v, Mapping):
             r = _optimizer_mismatch(optimizer, v, got[k], f"{where}{k}.")
@@ -508,7 +293,7 @@ def restore(path: str, state: dict[str, Any], problem: Problem, ctx: Context, op
             f"{problem_path} has {sha})") if changed else ""
     settings = changed_settings(state.get("config"), ctx.cfg.__dict__)
     if settings:
-        context += (f"; settings changed since the restart file: {_names(settings, 4)} (resume "
+        context += (f"; settings changed since the restart file: {listed(settings, 4)} (resume "
                  "with the recorded ones, or start a new --out)")
 
     def fail(what: str) -> RestartError:
@@ -547,7 +332,7 @@ def restore(path: str, state: dict[str, Any], problem: Problem, ctx: Context, op
                     f"sha256 {recorded}, now {sha}); resuming with the changed file")
     if settings:
         said.append(f"warning: resuming with settings that differ from {path}'s: "
-                    f"{_names(settings, 8)}")
+                    f"{listed(settings, 8)}")
     return said
 
 

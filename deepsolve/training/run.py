@@ -2,11 +2,13 @@
 
 ``train(problem_path)`` resolves the settings (every one checked before any work,
 :mod:`.prepare`), sets up torch.distributed when the process runs under torchrun, makes and
-locks the run directory and decides the start from what it holds (:mod:`.rundir`), then
-hands over to a :class:`Run`:
+locks the run directory and decides the start from what it holds (:mod:`.start`,
+:mod:`.rundir`; a resumed run with nothing left to train is answered there, nothing built),
+then hands over to a :class:`Run`:
 
-1. :meth:`Run.setup` builds the problem (model, data, optimiser, scheduler) and loads the
-   restart file when the run resumes (:mod:`.restart`);
+1. :meth:`Run.setup` builds the problem (model, data, optimiser, scheduler), loads the
+   restart file when the run resumes (:mod:`.restart`) and checks the ``target`` (a loss
+   term's name against one evaluation of the residuals, :mod:`.terms`);
 2. :meth:`Run.open_log` opens the HDF5 log (rank 0; the other ranks write nothing);
 3. the loop (:meth:`Run.train`) calls :meth:`Run.iteration` once per iteration — loss terms,
    backward, optimiser step, one log row — and :meth:`Run.checkpoint` every
@@ -21,7 +23,6 @@ it made are removed.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import time
@@ -35,12 +36,11 @@ import torch
 from ..config import RunConfig, horizon, parse_curriculum
 from ..memory.allocator import release_budget
 from ..memory.meter import host_high_water_mark, process_status, reset_high_water_mark
-from ..problem import Context, Problem, ProblemError
+from ..problem import ProblemError
 from ..settings import parse_target
 from .prepare import build, check_curriculum, check_mesh, log_attrs, prepare, run_threads
 from .progress import note, progress
 from .restart import restore, save_restart
-from .rng import rng_state, set_rng_state
 from .rows import (
     NoLog,
     StatsSum,
@@ -52,18 +52,11 @@ from .rows import (
     mirrored,
     split_evaluation,
 )
-from .rundir import (
-    RunFiles,
-    RunStart,
-    discard_start,
-    inspect_run_dir,
-    load_restart,
-    make_and_lock,
-    remove_empty_dir,
-    remove_stale_temporaries,
-)
+from .rundir import RunFiles, RunStart, discard_start, remove_empty_dir
 from .signals import Preemption
-from .stopping import Stopping, check_resume
+from .start import decide_start, nothing_to_train, untrained_outcome
+from .stopping import Stopping
+from .terms import loss_term_names
 
 if TYPE_CHECKING:
     from ..distributed.data import DistInfo
@@ -118,59 +111,24 @@ def train(problem_path: str, *, overrides: Mapping[str, Any] | None = None,
 
 def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, resume: bool,
            quiet: bool) -> TrainResult:
-    """Lock the run directory, decide the start (rank 0; the others follow its decision) and
-    run; a start refused on any rank is refused on all."""
-    from .. import distributed as D
+    """Decide the start (:func:`.start.decide_start`: rank 0 locks the run directory, the
+    others follow its decision; a start refused on any rank is refused on all) and run, or
+    answer a resumed run with nothing left to train without building anything."""
     from .._process import cli_start
-    from ..memory.offload import remove_stale_spill_dirs
 
-    run_dir = files.run_dir
     # from here on a SIGTERM (or Ctrl-C) stops the run cleanly; in the command line's own
     # process (not torchrun's workers, which torchrun stops with SIGTERM) one after the run
     # leaves the exit code as the run decides it
     with Preemption(hard_second=cli_start(),
                     hold_after=cli_start() and not dist.enabled) as stop:
-        lock = None
-        created = False
-        err: BaseException | None = None
-        start = RunStart()
-        if dist.is_main:   # rank 0 alone writes, so it alone locks and checks the directory
-            try:
-                if resume and not os.path.isdir(run_dir):
-                    raise ValueError(f"--resume: {run_dir} does not exist, so there is no run "
-                                     "to resume; check --out, or run without --resume for a "
-                                     "fresh run")
-                created, lock = make_and_lock(run_dir, files.locking)
-                remove_stale_temporaries(run_dir, all_of_them=lock.held)
-                remove_stale_spill_dirs()
-                start = inspect_run_dir(run_dir, files.log, files.restart, resume,
-                                        int(cfg["iterations"]))
-                if start.restart is not None:
-                    check_resume(start.restart, cfg, files.restart)
-            except BaseException as e:
-                err = e
-        try:
-            failed = D.any_rank(dist, err is not None, cfg.device)
-        except BaseException:
-            failed = True
-            if err is None:
-                raise
-        if failed or err is not None:
-            if lock is not None:   # a directory is removed only by the trainer that made it
-                if created:        # and holds its lock (another may have locked it first)
-                    remove_empty_dir(run_dir)
-                lock.release()
-            if err is not None:
-                raise err
-            raise ValueError(f"rank 0 could not start the run in {run_dir} (see its message)")
-        if not dist.is_main and resume and os.path.lexists(files.restart):
-            state = load_restart(files.restart)   # rank 0 has checked it against the log
-            start = RunStart(start=state["iteration"], restart=state)
-        start.created = created
+        start, lock = decide_start(cfg, dist, files, resume)
         why = nothing_to_train(start, cfg)
         if why is not None:   # nothing is built, nothing written: the run stays as it was
             try:
-                return _untrained_result(files, dist, start, why)
+                loss, metrics = untrained_outcome(files, dist, start, why)
+                return TrainResult(files.run_dir, files.log, files.restart, start.start, loss,
+                                   rank=dist.rank, metrics=metrics, stopped=why,
+                                   nothing_to_train=True)
             finally:
                 if lock is not None:
                     lock.release()
@@ -184,91 +142,6 @@ def _start(problem_path: str, cfg: RunConfig, dist: DistInfo, files: RunFiles, r
             run.close()
             if lock is not None:
                 lock.release()
-
-
-def nothing_to_train(start: RunStart, cfg: RunConfig) -> str | None:
-    """Why a resumed run has no iteration left to train, or ``None``: ``""`` when its restart
-    file is at ``iterations`` (the run had finished), the time-limit reason (``"time_limit 5
-    min"``) when the training time it records is already at or past ``time_limit`` — a run
-    that would otherwise train one more iteration before it asks the clock."""
-    if start.restart is None:
-        return None
-    if start.start >= int(cfg["iterations"]):
-        return ""
-    limit = 60.0 * float(cfg["time_limit"] or 0)
-    trained = float(start.restart.get("elapsed", 0.0))
-    if limit and trained >= limit:
-        return f"time_limit {limit / 60:g} min"
-    return None
-
-
-def _untrained_result(files: RunFiles, dist: DistInfo, start: RunStart,
-                      stopped: str) -> TrainResult:
-    """The result of a resumed run with nothing to train (:func:`nothing_to_train`): its
-    iterations, and on rank 0 the loss of its last row and the last value of each metric,
-    read from the log; a one-line note says why when its time limit stops it."""
-    k = start.start
-    loss, metrics = math.nan, dict[str, float]()
-    if dist.is_main:
-        loss, metrics = _last_logged(files, k)
-        if stopped.startswith("time_limit") and start.restart is not None:
-            trained = float(start.restart.get("elapsed", 0.0))
-            took = f"{trained / 60:.1f} min" if trained >= 120 else f"{trained:.3g} s"
-            note(f"--resume: the run has trained {took} already, at or past its time limit "
-                 f"of {stopped.removeprefix('time_limit ')}: stopped before iteration {k} (give "
-                 "a longer --set time_limit=MINUTES, or 0 for none, to train on)")
-    return TrainResult(files.run_dir, files.log, files.restart, k, loss, rank=dist.rank,
-                       metrics=metrics, stopped=stopped, nothing_to_train=True)
-
-
-def _last_logged(files: RunFiles, k: int) -> tuple[float, dict[str, float]]:
-    """The loss of the log's row at iteration ``k - 1`` and each metric's last value up to
-    it (NaN and nothing when the log cannot say)."""
-    from ..io import LogError, read_log
-
-    try:
-        cols = read_log(files.log, locking=files.locking).columns
-    except LogError:
-        return math.nan, {}
-    rows = [i for i, it in enumerate(cols["iteration"]) if it == k - 1]
-    if not rows:
-        return math.nan, {}
-    last = rows[-1]
-    metrics = {}
-    for name, values in cols.items():
-        if name.startswith("metric/"):
-            seen = [float(v) for v in values[:last + 1] if math.isfinite(float(v))]
-            if seen:
-                metrics[name[len("metric/"):]] = seen[-1]
-    return float(cols["loss"][last]), metrics
-
-
-def loss_term_names(problem: Problem, ctx: Context, iteration: int,
-                    stages: tuple[tuple[int, int], ...] = ()) -> list[str]:
-    """The names of the loss terms ``problem.residuals(ctx, iteration)`` returns, from one
-    evaluation before training (no backward, no optimiser step; the horizon of
-    ``iteration``'s curriculum stage). Everything the evaluation may change is put back as
-    a restart would: the random generators (:mod:`.rng`), the model's state, the problem's
-    own ``state_dict`` and the context's horizon — so the run then draws and trains exactly
-    as it would have without it."""
-    model = ctx.model
-    assert model is not None  # build() checked it
-    rng = rng_state(ctx)
-    model_state = {k: v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                   for k, v in model.state_dict().items()}
-    problem_state = copy.deepcopy(problem.state_dict(ctx))
-    old_horizon, old_adjoint = ctx.horizon, ctx.want_adjoint_norms
-    try:
-        if stages:
-            ctx.horizon = horizon(stages, iteration)
-        ctx.want_adjoint_norms = False
-        return list(check_terms(problem.residuals(ctx, iteration), iteration))
-    finally:
-        ctx.horizon, ctx.want_adjoint_norms = old_horizon, old_adjoint
-        ctx.unroll_stats.clear()
-        problem.load_state_dict(ctx, problem_state)
-        model.load_state_dict(model_state)
-        set_rng_state(ctx, rng)
 
 
 class Run:

@@ -55,7 +55,7 @@ class Stopping:
         where: the problem file, for the error messages.
         terms: the names of the problem's loss terms, asked for only when the target names
             one (``loss/<term>``) or nothing the problem has (for the error's list): they
-            are known from an evaluation of the residuals (:func:`.run.loss_term_names`).
+            are known from an evaluation of the residuals (:func:`.terms.loss_term_names`).
 
     Raises:
         ProblemError: (one line) a target that names neither the loss, one of its terms
