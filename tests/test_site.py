@@ -52,7 +52,8 @@ def test_every_public_name_has_a_rendered_entry(site: Path):
     # a new public name gets its entry with no edit of the site: the pages follow __all__
     import deepsolve
     assert {f"reference/{n}.md" for n in deepsolve.__all__ if n not in ("schedules", "reversible",
-            "__version__")} <= set(pages)
+            "stability", "__version__")} <= set(pages)
+    assert "reference/deepsolve.stability.md" in pages
 
 
 @pytest.mark.slow

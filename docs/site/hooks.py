@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: the subpackages and modules with a reference page, in navigation order
 MODULES = ["deepsolve.schedules", "deepsolve.memory", "deepsolve.reversible",
-           "deepsolve.fixed_point",
+           "deepsolve.stability", "deepsolve.fixed_point",
            "deepsolve.sequential", "deepsolve.pinn", "deepsolve.io", "deepsolve.io.tracking",
            "deepsolve.distributed", "deepsolve.physics", "deepsolve.gradcheck",
            "deepsolve.problem", "deepsolve.training", "deepsolve.training.check"]
@@ -34,7 +34,8 @@ MODULES = ["deepsolve.schedules", "deepsolve.memory", "deepsolve.reversible",
 
 def _public(module: str) -> list[str]:
     """The public names of ``module`` less the submodules it exports (``deepsolve.schedules``,
-    ``deepsolve.reversible``: pages of their own in :data:`MODULES`)."""
+    ``deepsolve.reversible``, ``deepsolve.stability``: pages of their own in
+    :data:`MODULES`)."""
     mod = importlib.import_module(module)
     return [n for n in mod.__all__ if not n.startswith("_")
             and not inspect.ismodule(getattr(mod, n, None))]
