@@ -444,8 +444,8 @@ def reference(env: Env, tag: str, args: list[str], inverse: bool = True) -> tupl
 
 
 def tidy(run_dir: Path) -> str | None:
-    names = sorted(os.listdir(run_dir))
-    return None if names == ["log.h5", "restart.pt"] else f"left {names}"
+    names = sorted(n for n in os.listdir(run_dir) if n != "compiled.bin")  # a compiled run's
+    return None if names == ["log.h5", "restart.pt"] else f"left {names}"   # artefacts
 
 
 def kill_resume(env: Env, args: list[str], moments: list[str], *, inverse: bool = True,

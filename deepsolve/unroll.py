@@ -16,7 +16,9 @@ from typing import Any, cast
 import torch
 from torch.utils import _pytree as pytree
 
+from . import artefacts
 from .engine import (
+    UNROLLED_MAX,
     HostStorage,
     Segments,
     StepCache,
@@ -25,6 +27,7 @@ from .engine import (
     check_truncate,
     default_tolerance,
     execute,
+    loop_refused,
     segments,
 )
 from .memory import BudgetError, device_capacity, format_bytes
@@ -43,6 +46,7 @@ from .memory.segments import (
     choose_segment,
     compiler_memory,
     dispatch_cost,
+    loop_lengths,
 )
 from .memory.strategies import Budget, Online, Reversible, StoreAll, Strategy, as_strategy
 from .schedules import Schedule, online, revolve, store_all
@@ -356,13 +360,18 @@ def _segment_with(step, state, n_steps, k: int, choice, mode, probe: CompilerPro
                 0, f"eager: the compiler's one-time host memory (about {about}) is more than "
                 "1/8 of the budget")
         return _EAGER
+    form = _form_of(step, k, choice)
     seg = segments(step, k, n_steps if until is None else None, has_output=kw["has_output"],
-                   strict=mode != "auto")
+                   strict=mode != "auto", form=form)
     if kw["policy"] is None:  # the compiled backward keeps what the compiler chose to save:
         kw = {**kw, "policy": "none"}  # recomputation policies are not weighed
+    if not seg.ready and seg.compiled and seg.eager_reason is None:
+        artefacts.load_for(step)  # an earlier process's compiled graphs, checked
     if torch.is_grad_enabled():
         if not seg.ready:  # compile before the unroll (and profile the segment)
             _warm(seg, state)
+            if seg.compile_time > 0 and seg.eager_reason is None:
+                artefacts.save_for(step)  # for the next process
         if probe is not None and probe.active:  # the first compiled preparation: measured
             profile_step(seg, state, params=kw["params"])  # cached for the plan
             resident, peak = probe.finish()
@@ -421,8 +430,9 @@ def _less_budget(kw: dict, nbytes: int) -> dict:
 def _warm(seg: Segments, state: Any) -> None:
     """Compile the first segment in both grad modes (its backward too) before the unroll
     and its profile run: compilation is not timed as a step, nor counted as its memory."""
-    with torch.no_grad():
-        seg(state, 0)
+    with torch.no_grad():  # as the executor advances: detached states (a state that
+        seg(pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
+                            state), 0)  # requires grad would be a graph of its own)
     x = pytree.tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()
                                                             or t.is_complex())
                         if isinstance(t, torch.Tensor) else t, state)
@@ -451,13 +461,31 @@ class _AutoSeen:
 _auto_seen = StepCache()  # per step, without keeping the step alive
 
 
+def _form_of(step: Any, k: int, choice: SegmentChoice | None) -> str:
+    """The compiled form of a ``k``-step segment: the model's, or for a length given as
+    ``compile=k``, a loop beyond :data:`~deepsolve.engine.segments.UNROLLED_MAX` steps
+    (an unrolled graph of that length would compile for minutes) unless the loop form has
+    failed on this step."""
+    if choice is not None and choice.k == k:
+        return choice.form
+    return "loop" if k > UNROLLED_MAX and loop_refused(step) is None else "unrolled"
+
+
 def _choose_k(step, state, n_steps: int, mode, runs: int, kw,
               lengths: tuple[int, ...], measured: float | None = None) -> SegmentChoice:
-    """The segment length by the model, for the strategy or budget asked for."""
+    """The segment length and form by the model, for the strategy or budget asked for:
+    unrolled segments of ``lengths`` and, beside single steps, loops
+    (:func:`~deepsolve.memory.segments.loop_lengths`: up to the interval between two
+    snapshots, longer for a small state) unless the loop form has failed on this step."""
     how = as_strategy(kw["schedule"], kw["snapshots"], kw["budget"], kw["offload"],
                       kw["spill_dir"])
     prof = profile_step(step, state, params=kw["params"])
     cost = dispatch_cost(step, state)
+    loops: tuple[int, ...] = ()
+    if lengths != (1,) and loop_refused(step) is None:
+        slots = None if isinstance(how, (Budget, StoreAll)) else getattr(how, "snapshots", None)
+        loops = loop_lengths(n_steps, prof.state_bytes,
+                             slots if isinstance(slots, int) else None)
     if isinstance(how, Budget):
         leaves = [t for t in pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
         nbytes = parse_budget(how.budget, leaves[0].device if leaves else None)
@@ -474,7 +502,7 @@ def _choose_k(step, state, n_steps: int, mode, runs: int, kw,
             return strategy.predicted_time(p, m), True
     return choose_segment(prof, n_steps, cost.q, cost.d, mode=mode, runs=runs, time_of=time_of,
                           lengths=lengths, heavy=cost.heavy, t_step=cost.t_step,
-                          eager=measured or None)
+                          eager=measured or None, loops=loops)
 
 
 def _reversal(how: Any, step: Any, sched: Schedule | None = None,

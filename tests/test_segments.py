@@ -326,7 +326,7 @@ def test_model_counts_k_tapes_against_the_budget():
 
     c = choose_segment(p, 4000, 40, 2e-6, mode=True, time_of=tight)
     assert 1 <= c.k <= 4
-    assert all(fits == (k <= 4) for k, _, _, fits in c.table)
+    assert all(fits == (k <= 4) for k, _, _, _, fits in c.table)
     assert dataclasses.replace(p).tape_bytes == p.tape_bytes
 
 
@@ -401,3 +401,104 @@ def test_trainer_setting_compiles_and_logs_the_first_call(tmp_path, capsys):
     np.testing.assert_allclose(c["loss"], cols["off"]["loss"], rtol=1e-10)
     assert main(["train", tiny, "--out", str(tmp_path / "bad"), "--set", "compile=maybe"]) == 2
     assert "compile" in capsys.readouterr().err
+
+
+# -- the loop form: the step compiled once as a loop body -----------------------------------
+
+def _captured(fn) -> int:
+    """The operations Dynamo captured while compiling ``fn()`` (a fresh count)."""
+    from torch._dynamo.utils import counters
+    before = counters["stats"]["calls_captured"]
+    fn()
+    return counters["stats"]["calls_captured"] - before
+
+
+def test_a_loop_compiles_the_step_once_whatever_its_length():
+    """The graph of a loop segment does not grow with k (what its compile time follows):
+    the operations Dynamo captures for 64 steps are those for 8, where the unrolled form
+    captures eight times as many."""
+    def step(y, i):
+        return y + 0.01 * (torch.roll(y, 1) - 2 * y + torch.roll(y, -1)) - 0.001 * y ** 3
+
+    x = torch.randn(16, dtype=torch.float64)
+    loops = [_captured(lambda k=k: Segments(step, k, 10**6, form="loop")(x, 0))
+             for k in (8, 64)]
+    unrolled = [_captured(lambda k=k: Segments(step, k, 10**6)(x, 0)) for k in (2, 4)]
+    assert loops[0] == loops[1] > 0
+    assert unrolled[1] >= 1.8 * unrolled[0]
+
+
+def test_loop_segments_equal_eager_for_pytrees_outputs_and_a_leaf_returned_as_is():
+    """A dict state with a leaf the step returns unchanged (a loop body may not alias its
+    carry: deepsolve copies it), per-step outputs and closed-over parameters: a loop of 16
+    steps under revolve gives the eager unroll's gradients to 1e-10, its outputs to 1e-12."""
+    a = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+
+    def step(s, i):
+        u = s["u"] + DT * (a * torch.sin(s["u"]) - s["mask"] * s["u"]) * (1 + 0.01 * i)
+        return {"u": u, "mask": s["mask"]}, u.sum()
+
+    u0 = torch.randn(32, dtype=torch.float64, requires_grad=True)
+    s0 = {"u": u0, "mask": torch.linspace(0, 1, 32, dtype=torch.float64)}
+    stats = deepsolve.UnrollStats()
+    x, outs = deepsolve.unroll(step, s0, 80, snapshots=3, compile=16, stats=stats)
+    assert stats.segment == 16
+    seg = segments(step, 16, 80, form="loop")
+    assert seg.form == "loop" and seg.loop_reason is None
+    got = grads(loss_of(x["u"]) + (outs ** 2).sum(), (a, u0))
+    xe, oe = deepsolve.unroll(step, s0, 80)
+    assert rel(outs.detach(), oe.detach()) < 1e-12
+    assert_close(got, grads(loss_of(xe["u"]) + (oe ** 2).sum(), (a, u0)), 1e-10)
+
+
+def test_a_step_the_loop_cannot_take_runs_unrolled_and_is_remembered():
+    """A step that returns a closed-over tensor as a state leaf (a loop body's output may
+    not alias its inputs) cannot be a loop body: as a segment of 4 it runs unrolled, no
+    warning (it is still compiled), with the eager result and gradient, and later choices
+    weigh no loop for it; as a loop of 32 (longer than an unrolled segment may be) it runs
+    eagerly with one warning line."""
+    from deepsolve.engine.segments import loop_refused
+    c = torch.linspace(0, 1, 8, dtype=torch.float64)
+    F = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+
+    def step(s, i):
+        return (s[0] + DT * (F * s[1] - s[0]), c)
+
+    y0 = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    seg = Segments(step, 4, 64, form="loop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no warning line of deepsolve's
+        x = (y0, c)
+        for j in range(seg.segments):
+            x = seg(x, j)
+    assert seg.form == "unrolled" and seg.eager_reason is None
+    assert "loop body" in str(loop_refused(step))
+    want = deepsolve.unroll(step, (y0, c), 64)
+    assert rel(x[0].detach(), want[0].detach()) < 1e-12
+    assert_close(grads(loss_of(x[0]), (F, y0)), grads(loss_of(want[0]), (F, y0)), 1e-10)
+
+    def other(s, i):
+        return (s[0] - DT * F * s[0], c)
+
+    long = Segments(other, 32, 64, form="loop")
+    with pytest.warns(RuntimeWarning, match="loop body.*32 unrolled steps would compile") as w:
+        long((y0.detach(), c), 0)
+    assert len(w) == 1 and long.eager_reason is not None
+
+
+def test_the_model_takes_long_loops_for_a_cheap_step_and_bounds_them_by_memory():
+    """A dispatch-bound step over 4000 steps and many unrolls: a loop longer than any
+    unrolled segment (its compile does not grow); the loop lengths stop where a loop's tape
+    (k states) would pass the snapshots' memory or the free allowance."""
+    from deepsolve.memory.segments import LOOP_FREE_BYTES, loop_lengths
+    d = 2e-6
+    p = _profile(40 * d)
+    c = choose_segment(p, 4000, 40, d, mode=True, runs=1000, time_of=_revolve_time,
+                       loops=loop_lengths(4000, p.state_bytes, 8))
+    assert c.form == "loop" and c.k > 64
+    assert any(f == "unrolled" for _, f, _, _, _ in c.table)
+    big = 2**20  # a 1 MiB state with 8 snapshots: loops up to 8 states (8 MiB > 4 MiB)
+    assert max(loop_lengths(4000, big, 8)) == 8
+    assert max(loop_lengths(4000, 320, 8)) == max(k for k in (2 ** j for j in range(3, 13))
+                                                   if k * 320 <= LOOP_FREE_BYTES and k <= 4000)
+    assert loop_lengths(4000, big, None)[-1] == 2048 and loop_lengths(5, 320, 8) == ()

@@ -54,11 +54,14 @@ from .replay import Autocast, Replay, autocast_state, cuda_devices
 from .reversal import ON_DRIFT, ReconstructionError, Reversal, default_tolerance, relative_error
 from .rng import RngState, cuda_generators
 from .segments import (
+    FORMS,
     INDEX,
+    UNROLLED_MAX,
     CompileError,
     Segments,
     StepCache,
     forget_step,
+    loop_refused,
     segment_count,
     segments,
     step_identity,
@@ -76,7 +79,8 @@ from .storage import (
 
 __all__ = [
     "EVERY", "FiniteCheck", "NonFiniteError", "all_finite",
-    "CompileError", "INDEX", "Segments", "segment_count", "segments", "step_identity",
+    "CompileError", "INDEX", "FORMS", "UNROLLED_MAX", "Segments", "segment_count",
+    "segments", "step_identity", "loop_refused",
     "StepCache", "forget_step",
     "Autocast", "CompiledPolicy", "ON_DRIFT", "EXPENSIVE_OPS", "GradSum", "HostStorage",
     "Interpreter",

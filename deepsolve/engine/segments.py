@@ -56,11 +56,18 @@ from .replay import cuda_devices
 from .rng import RngState
 from .state import returns_output
 
-__all__ = ["Segments", "segments", "CompileError", "INDEX", "segment_count", "step_identity",
-           "StepCache", "forget_step"]
+__all__ = ["Segments", "segments", "CompileError", "INDEX", "FORMS", "UNROLLED_MAX",
+           "segment_count", "step_identity", "StepCache", "forget_step", "loop_refused"]
 
 #: the name of a segment's start index inside the compiled function: marked dynamic
 INDEX = "deepsolve_segment_start"
+#: a segment's compiled forms: the steps traced one after another, or the step as a loop body
+FORMS = ("unrolled", "loop")
+#: the longest unrolled segment weighed, or fallen back to when the loop form cannot take a
+#: step: Inductor's compile of an unrolled chain can grow exponentially with its length
+#: (``y + 0.01 (F c - y)``: 13 s at 8 steps, 19 s at 10, 54 s at 12, over 400 s at 16)
+UNROLLED_MAX = 8
+_loop_reasons: dict[Any, str] = {}  # per step: why the loop form cannot take it
 _CACHE_SIZE = 32  # compiled steps kept across unrolls (least recently used dropped)
 _cache: OrderedDict[Any, Segments] = OrderedDict()
 _compiled: dict[Any, dict[int, Callable]] = {}  # per (step, k, strict): length -> compiled
@@ -131,6 +138,12 @@ class StepCache:
             pass
 
 
+def loop_refused(step: Any) -> str | None:
+    """Why the loop form could not take ``step`` when it was tried (``None``: not tried, or
+    it could): the model weighs only unrolled segments for such a step."""
+    return _loop_reasons.get(step_identity(step))
+
+
 def forget_step(step: Any) -> None:
     """Drop the compiled segments of ``step`` (a function, or an object and its bound
     methods), which hold the step and what it closes over: the trainer does at the end of a
@@ -139,18 +152,21 @@ def forget_step(step: Any) -> None:
     for table in (_cache, _compiled, _eager_reasons):   # keyed by (step_identity, ...)
         for key in [k for k in table if k[0][1] is owner]:
             del table[key]
+    for key in [k for k in _loop_reasons if k[1] is owner]:
+        del _loop_reasons[key]
 
 
 def segments(step: Callable, k: int, n_steps: int | None, *, has_output: bool | None = None,
-             compiled: bool = True, strict: bool = False) -> Segments:
-    """The :class:`Segments` of ``step`` for this ``(k, n_steps)``, reused across unrolls of
-    the same step (the same function, or the same object's method): its compiled code, its
-    trust checks and the step profile the planner caches for it. ``compile_time`` is reset."""
-    key = (step_identity(step), k, n_steps, has_output, compiled, strict)
+             compiled: bool = True, strict: bool = False, form: str = "unrolled") -> Segments:
+    """The :class:`Segments` of ``step`` for this ``(k, n_steps, form)``, reused across
+    unrolls of the same step (the same function, or the same object's method): its compiled
+    code, its trust checks and the step profile the planner caches for it. ``compile_time``
+    is reset."""
+    key = (step_identity(step), k, n_steps, has_output, compiled, strict, form)
     seg = _cache.get(key)
     if seg is None:
         seg = _cache[key] = Segments(step, k, n_steps, has_output=has_output,
-                                     compiled=compiled, strict=strict)
+                                     compiled=compiled, strict=strict, form=form)
         while len(_cache) > _CACHE_SIZE:
             _cache.popitem(last=False)
         while len(_compiled) > _CACHE_SIZE:
@@ -192,6 +208,61 @@ def _segment(step: Callable, length: int, has_output: bool, pad: int, stack: boo
 
     code = seg.__code__.replace(co_name=f"segment_{length}_of_{type(step).__name__}")
     return types.FunctionType(code, seg.__globals__, code.co_name, None, seg.__closure__)
+
+
+def _loop(step: Callable, length: int, has_output: bool) -> Callable:
+    """The ``length`` steps as the body of one loop, :func:`torch._higher_order_ops.scan`:
+    the compiler traces and compiles the step once, whatever ``length``. The step index is a
+    0-d float64 tensor holding the integer (the scanned sequence ``start, start + 1, ...``):
+    float64 so that ``t0 + i * dt`` is computed as with a Python ``int`` (an int64 tensor
+    times a Python float gives the default dtype, float32); a leaf the step
+    returns as it came in (or an output that is a state leaf) is copied, since a loop body
+    may not alias its carry. Per-step outputs come out stacked along a new leading
+    dimension, as the unrolled segment's."""
+    from torch._higher_order_ops.scan import scan  # the compiler's machinery: when compiling
+
+    def seg(state, deepsolve_segment_start):
+        leaves = _leaves(state)
+        device = leaves[0].device if leaves else None
+        index = torch.arange(length, dtype=torch.float64, device=device) + \
+            deepsolve_segment_start
+
+        def body(carry, i):
+            res = step(carry, i)
+            nxt, out = res if has_output else (res, None)
+            held = _leaves(carry)
+            nxt = _unaliased(nxt, held)
+            if out is None:  # a loop returns something per iteration: a floating scalar
+                # (an integer one breaks the loop's autograd in this PyTorch)
+                leaves = _leaves(nxt)
+                proto = next((t for t in leaves if _floating(t)), leaves[0])
+                return nxt, proto.new_zeros(())
+            return nxt, _unaliased(out, held + _leaves(nxt))
+
+        final, outs = scan(body, state, index)
+        return (final, outs) if has_output else final
+
+    code = seg.__code__.replace(co_name=f"loop_{length}_of_{type(step).__name__}")
+    return types.FunctionType(code, seg.__globals__, code.co_name, None, seg.__closure__)
+
+
+def _scan_cacheable() -> None:
+    """Let Inductor's and AOTAutograd's caches keep graphs with a loop (``scan``), which this
+    PyTorch bypasses by default ("Can't cache HigherOrderOperator: scan"): without it every
+    process compiles a loop segment afresh. The key still hashes the loop body's graph (a
+    changed body misses the cache, checked in tests/test_segments.py), and a compiled
+    segment, cached or not, is checked against the eager steps at its first call in each
+    process (:meth:`Segments._check`), so a wrong entry is refused, never used."""
+    marked = getattr(torch._inductor.config, "unsafe_marked_cacheable_functions", None)
+    if isinstance(marked, dict):
+        marked.setdefault("torch.ops.higher_order.scan", torch.__version__)
+
+
+def _unaliased(tree: Any, held: list[torch.Tensor]) -> Any:
+    """``tree`` with every tensor leaf that is one of ``held`` (by identity) copied."""
+    return pytree.tree_map(
+        lambda t: t.clone() if isinstance(t, torch.Tensor) and any(t is h for h in held)
+        else t, tree)
 
 
 def _floating(t: torch.Tensor) -> bool:
@@ -240,6 +311,11 @@ class Segments:
         compiled: compile the segments (``False``: the eager loop, the same contract).
         strict: a step that draws random numbers raises :class:`CompileError` instead of
             running eagerly with a warning.
+        form: ``"unrolled"`` (the ``k`` steps traced one after another into one graph: the
+            compiler fuses across steps, and compiles longer as ``k`` grows) or ``"loop"``
+            (the step compiled once as the body of a loop, whatever ``k``; its index a 0-d
+            float64 tensor). A step the loop form cannot take runs as unrolled segments when ``k``
+            is at most :data:`UNROLLED_MAX`, eagerly otherwise (``form`` then says which).
 
     Attributes:
         compile_time: seconds spent in first calls (compilation and the eager check), summed
@@ -249,7 +325,11 @@ class Segments:
     """
 
     def __init__(self, step: Callable, k: int, n_steps: int | None, *,
-                 has_output: bool | None = None, compiled: bool = True, strict: bool = False):
+                 has_output: bool | None = None, compiled: bool = True, strict: bool = False,
+                 form: str = "unrolled"):
+        if form not in FORMS:
+            raise ValueError(f"compiled segments: form must be one of {', '.join(FORMS)}, got "
+                             f"{form!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"compiled segments: the segment length must be an integer >= 1, "
                              f"got {k!r}")
@@ -262,15 +342,26 @@ class Segments:
         self.has_output = has_output
         self.compiled = compiled
         self.strict = strict
+        self.form = "unrolled" if k == 1 else form  # one step: nothing to loop over
+        self.loop_reason: str | None = None  # why the loop form could not be used
         self.compile_time = 0.0
         self.eager_reason: str | None = None
         self._fns: dict[tuple[int, bool], Callable] = {}
-        # compiled functions per segment length, shared by the instances of this step and k
-        self._key = (step_identity(step), k, strict)
+        if self.form == "loop" and compiled:
+            self.loop_reason = loop_refused(step)
+            if self.loop_reason is not None:
+                self.form = "unrolled"
+        # compiled functions per segment length, shared by the instances of this step, k
+        # and form
+        self._key = (step_identity(step), k, strict, self.form)
         self._compiled: dict[int, Callable] = \
             _compiled.setdefault(self._key, {}) if compiled else {}
         if compiled:
             self.eager_reason = _eager_reasons.get(self._key)
+            if self.eager_reason is None and self.form == "unrolled" and k > UNROLLED_MAX \
+                    and self.loop_reason is not None:
+                self.eager_reason = (f"the loop form cannot take it ({self.loop_reason}) "
+                                     f"and {k} unrolled steps would compile too long")
         inverse = getattr(step, "inverse", None)
         if k == 1 and callable(inverse):
             self.inverse = inverse
@@ -366,25 +457,36 @@ class Segments:
         spec = pytree.tree_structure(state)
         return returns_output(res, lambda x: pytree.tree_structure(x) == spec)
 
-    def _compile(self, length: int, cuda: bool = False) -> Callable:
-        """``torch.compile`` of the ``length``-step segment; on CUDA under CUDA graphs
-        (``mode="reduce-overhead"``: one graph launch per segment), its outputs copied out of
-        the graph's memory, which the next replay overwrites."""
+    def _compile(self, length: int, cuda: bool = False,
+                 device: torch.device | None = None) -> Callable:
+        """``torch.compile`` of the ``length``-step segment in this :attr:`form`; on CUDA
+        under CUDA graphs (``mode="reduce-overhead"``: one graph launch per segment), its
+        outputs copied out of the graph's memory, which the next replay overwrites."""
         _mark_index_dynamic()
         config = torch._inductor.config  # a release without a setting: skipped
         options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
+        if self.form == "loop":
+            _scan_cacheable()
+            fn = _loop(self.step, length, bool(self.has_output))
+        else:
+            fn = self._eager(length)
         if not cuda:
-            return torch.compile(self._eager(length), fullgraph=True, dynamic=False,
-                                 options=options)
-        graphed = torch.compile(self._eager(length), fullgraph=True, dynamic=False,
-                                options={**torch._inductor.list_mode_options("reduce-overhead"),
-                                         **options})
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+        else:
+            graphed = torch.compile(
+                fn, fullgraph=True, dynamic=False,
+                options={**torch._inductor.list_mode_options("reduce-overhead"), **options})
 
-        def replay(state, start):
-            torch.compiler.cudagraph_mark_step_begin()
-            return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
-                                   graphed(state, start))
-        return replay
+            def compiled(state, start):
+                torch.compiler.cudagraph_mark_step_begin()
+                return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor)
+                                       else t, graphed(state, start))
+        if self.form != "loop":
+            return compiled
+        def looped(state, start):  # the start as a tensor: a value is never specialised
+            return compiled(state, torch.tensor(start, dtype=torch.float64,
+                                                device=device or "cpu"))
+        return looped
 
     def _check(self, state: Any, start: int, length: int) -> Callable | None:
         """Run the eager segment, then the compiled one, from ``state`` under ``no_grad``;
@@ -403,19 +505,48 @@ class Segments:
                                 "not replay as the eager steps do (compile=False keeps them "
                                 "exact)", refuse=True)
                 return None
-            fn = self._compile(length, bool(cuda))
+            leaves = _leaves(state)
+            fn = self._compile(length, bool(cuda), leaves[0].device if leaves else None)
             try:
                 got = fn(state, start)
             except Exception as e:
                 rng.restore()
+                if self.form == "loop":
+                    return self._unrolled_instead(
+                        f"the compiler cannot take it as a loop body: {_first_line(e)}",
+                        state, start, length)
                 self._fall_back(f"the compiler cannot take it whole: {_first_line(e)}")
                 return None
             rng.restore()
-        why = _misfit(got, ref, length) or self._grad_misfit(fn, state, start, length)
+        try:
+            why = _misfit(got, ref, length) or self._grad_misfit(fn, state, start, length)
+        except Exception as e:  # the compiled backward
+            if self.form != "loop":
+                raise
+            return self._unrolled_instead(f"its compiled backward fails: {_first_line(e)}",
+                                          state, start, length)
         if why is not None:
+            if self.form == "loop":
+                return self._unrolled_instead(f"the compiled loop is not the eager segment: "
+                                              f"{why}", state, start, length)
             self._fall_back(f"the compiled segment is not the eager one: {why}")
             return None
         return fn
+
+    def _unrolled_instead(self, reason: str, state: Any, start: int,
+                          length: int) -> Callable | None:
+        """The loop form failed (``reason``): remember it for this step and check the
+        unrolled form instead when ``k`` is at most :data:`UNROLLED_MAX` (not a warning: the
+        step still runs compiled), else run eagerly with the warning."""
+        self.loop_reason = reason
+        _loop_reasons[step_identity(self.step)] = reason
+        self.form = "unrolled"
+        self._key = (*self._key[:3], "unrolled")
+        self._compiled = _compiled.setdefault(self._key, {})
+        if self.k > UNROLLED_MAX:
+            self._fall_back(f"{reason}; {self.k} unrolled steps would compile too long")
+            return None
+        return self._check(state, start, length)
 
     def _grad_misfit(self, fn: Callable, state: Any, start: int, length: int) -> str | None:
         """Why the compiled segment's vector-Jacobian product with respect to its input
@@ -441,6 +572,8 @@ class Segments:
         return None if why is None else f"its gradient: {why}"
 
     def _fall_back(self, reason: str, refuse: bool = False) -> None:
+        if self.loop_reason is not None and self.loop_reason not in reason:
+            reason += f" (nor as a loop body: {self.loop_reason})"
         msg = f"deepsolve: compiled segments of {_name(self.step)}: {reason}"
         if refuse and self.strict:
             raise CompileError(msg + "; compile='auto' runs such a step eagerly")

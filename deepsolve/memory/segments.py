@@ -52,9 +52,9 @@ from .meter import process_status
 from .profiling import StepProfile
 
 __all__ = ["SegmentChoice", "Dispatch", "choose_segment", "dispatch_cost", "segment_profile",
-           "compile_seconds",
-           "SEGMENT_LENGTHS", "MODEL", "HORIZON", "COMPILER_ESTIMATE", "compiler_memory",
-           "measure_compiler", "CompilerProbe"]
+           "compile_seconds", "loop_lengths",
+           "SEGMENT_LENGTHS", "LOOP_LENGTHS", "LOOP_FREE_BYTES", "MODEL", "HORIZON",
+           "COMPILER_ESTIMATE", "compiler_memory", "measure_compiler", "CompilerProbe"]
 
 #: unrolls the compile time is spread over by ``compile=True`` without ``compile_runs``
 HORIZON = 20
@@ -117,18 +117,29 @@ def measure_compiler(run: Callable[[], Any]) -> tuple[int, int]:
     run()
     return probe.finish()
 
-#: segment lengths weighed
-SEGMENT_LENGTHS = (1, 2, 4, 8, 16, 32, 64)
+#: segment lengths weighed for the unrolled form (no longer: its compile can grow
+#: exponentially with the length, :data:`deepsolve.engine.segments.UNROLLED_MAX`)
+SEGMENT_LENGTHS = (1, 2, 4, 8)
+#: segment lengths weighed for the loop form (up to the chain's length and the tape rule)
+LOOP_LENGTHS = tuple(2**j for j in range(3, 13))
+#: a loop segment's tape (``k`` states) may exceed the snapshots' memory up to this many
+#: bytes: a cheap, small step gets long loops, a large state loops no further than the
+#: interval between two snapshots
+LOOP_FREE_BYTES = 4 * 2**20
 #: the model's constants (module docstring): per-call overheads in dispatches, the floor of
 #: compiled arithmetic, what fusion leaves of pointwise arithmetic, the compile time's base
-#: [s], its cost per operation [s] and the power of the graph size it grows with
+#: [s], its cost per operation [s] and the power of the graph size it grows with; for the
+#: loop form its per-call and per-iteration overheads in dispatches, and the unrolled steps
+#: its compile costs as
 MODEL = dict(overhead_advance=30.0, overhead_record=200.0, floor=0.1, fused=0.25,
-             compile_base=12.0, compile_per_op=0.036, compile_power=1.15, margin=0.9)
+             compile_base=12.0, compile_per_op=0.036, compile_power=1.15, margin=0.9,
+             loop_call_advance=40.0, loop_call_record=150.0, loop_step_advance=2.0,
+             loop_step_record=6.0, loop_compile_steps=4.0)
 
 
 @dataclass
 class SegmentChoice:
-    """The segment length chosen and why (shown by ``Plan.explain()``).
+    """The segment length and form chosen and why (shown by ``Plan.explain()``).
 
     Attributes:
         k: steps per compiled segment (``0``: eager, not compiled).
@@ -137,7 +148,8 @@ class SegmentChoice:
         compiled_time: predicted seconds of one compiled unroll with ``k``.
         compile_time: predicted compile seconds (a cold cache).
         runs: unrolls the compile time is spread over.
-        table: ``(k, compiled_time, compile_time, fits)`` of every length weighed.
+        table: ``(k, form, compiled_time, compile_time, fits)`` of every segment weighed.
+        form: ``"unrolled"`` or ``"loop"`` (:data:`deepsolve.engine.segments.FORMS`).
     """
 
     k: int
@@ -146,15 +158,17 @@ class SegmentChoice:
     compiled_time: float = 0.0
     compile_time: float = 0.0
     runs: int = 1
-    table: list[tuple[int, float, float, bool]] = dataclasses.field(default_factory=list)
+    table: list[tuple[int, str, float, float, bool]] = dataclasses.field(default_factory=list)
+    form: str = "unrolled"
 
     def explain(self) -> str:
         lines = [f"compiled segments: {self.reason}",
-                 f"  {'k':>4} {'unroll [s]':>11} {'compile [s]':>12}  fits",
-                 f"  {'eager':>4} {self.eager_time:>11.3g} {0:>12}  yes"]
-        for k, t, c, fits in self.table:
-            mark = "*" if k == self.k else " "
-            lines.append(f"{mark} {k:>4} {t:>11.3g} {c:>12.3g}  {'yes' if fits else 'no'}")
+                 f"  {'k':>5} {'form':>9} {'unroll [s]':>11} {'compile [s]':>12}  fits",
+                 f"  {'eager':>5} {'':>9} {self.eager_time:>11.3g} {0:>12}  yes"]
+        for k, form, t, c, fits in self.table:
+            mark = "*" if (k, form) == (self.k, self.form) else " "
+            lines.append(f"{mark} {k:>5} {form:>9} {t:>11.3g} {c:>12.3g}  "
+                         f"{'yes' if fits else 'no'}")
         return "\n".join(lines)
 
 
@@ -226,23 +240,38 @@ def _scaled(p: StepProfile, t_step: float | None) -> StepProfile:
                                t_backward=c * p.t_backward)
 
 
-def compile_seconds(k: int, q: int) -> float:
-    """The predicted compile time of a ``k``-step segment of ``q`` operations per step."""
+def compile_seconds(k: int, q: int, form: str = "unrolled") -> float:
+    """The predicted compile time of a ``k``-step segment of ``q`` operations per step: of
+    ``k`` steps unrolled, or of one loop body whatever ``k`` (``form="loop"``)."""
     m = MODEL
+    if form == "loop":
+        k = int(m["loop_compile_steps"])
     return m["compile_base"] + m["compile_per_op"] * (k * q) ** m["compile_power"]
 
 
 def segment_profile(p: StepProfile, k: int, q: int, d: float,
-                    heavy: bool = True) -> StepProfile:
-    """The modelled profile of a compiled ``k``-step segment (module docstring): ``k``
-    tapes, outputs and working-set increments; compiled times."""
+                    heavy: bool = True, form: str = "unrolled") -> StepProfile:
+    """The modelled profile of a compiled ``k``-step segment (module docstring). Unrolled:
+    ``k`` tapes, outputs and working-set increments, compiled times. A loop: its tape the
+    ``k`` states it carries (the backward runs each step again from its state), per-call
+    and per-iteration overheads, the step's own arithmetic fused but not across steps."""
     m = MODEL
     phi = 1.0 if heavy else m["fused"]
-    t_adv = m["overhead_advance"] * d + k * max(phi * (p.t_advance - q * d),
-                                                m["floor"] * p.t_advance)
     rec = p.t_record + p.t_backward
-    t_rec = m["overhead_record"] * d + k * max(phi * (rec - 3 * q * d), m["floor"] * rec)
     share = p.t_record / rec if rec > 0 else 0.5
+    arith_adv = max(phi * (p.t_advance - q * d), m["floor"] * p.t_advance)
+    if form == "loop":
+        t_adv = m["loop_call_advance"] * d + k * (m["loop_step_advance"] * d + arith_adv)
+        arith_rec = max(phi * (rec - 3 * q * d), m["floor"] * rec) + arith_adv
+        t_rec = m["loop_call_record"] * d + k * (m["loop_step_record"] * d + arith_rec)
+        carried = k * p.state_bytes
+        return dataclasses.replace(
+            p, tape_bytes=carried + p.tape_bytes, kept_bytes=carried + p.kept_bytes,
+            chain_bytes=carried + p.chain_bytes, output_bytes=k * p.output_bytes,
+            reverse_bytes=p.reverse_bytes + carried, advance_bytes=p.advance_bytes,
+            t_advance=t_adv, t_record=share * t_rec, t_backward=(1 - share) * t_rec)
+    t_adv = m["overhead_advance"] * d + k * arith_adv
+    t_rec = m["overhead_record"] * d + k * max(phi * (rec - 3 * q * d), m["floor"] * rec)
     grow = k - 1
     return dataclasses.replace(
         p, tape_bytes=k * p.tape_bytes, kept_bytes=k * p.kept_bytes,
@@ -252,6 +281,19 @@ def segment_profile(p: StepProfile, k: int, q: int, d: float,
         t_backward=(1 - share) * t_rec)
 
 
+def loop_lengths(n_steps: int, state_bytes: int, snapshots: int | None) -> tuple[int, ...]:
+    """The loop lengths weighed for ``n_steps`` steps: :data:`LOOP_LENGTHS` up to ``n``,
+    each loop's tape (``k`` states) within the snapshots' memory (``snapshots`` states)
+    or :data:`LOOP_FREE_BYTES` — long loops for a small state, none longer than the
+    interval between two snapshots for a large one. ``snapshots=None`` (a chain kept
+    whole, or a budget, which weighs the tape itself): up to ``n``."""
+    room = None
+    if snapshots is not None:
+        room = max(snapshots * state_bytes, LOOP_FREE_BYTES)
+    return tuple(k for k in LOOP_LENGTHS if k <= n_steps and
+                 (room is None or k * state_bytes <= room))
+
+
 def _absolute(strategy_time: float, prof: StepProfile, m: int) -> float:
     return strategy_time * m * (prof.t_record + prof.t_backward)
 
@@ -259,8 +301,9 @@ def _absolute(strategy_time: float, prof: StepProfile, m: int) -> float:
 def choose_segment(p: StepProfile, n_steps: int, q: int, d: float, *, mode: Any = True,
                    runs: int = 1, time_of: Callable[[StepProfile, int], tuple[float, bool]],
                    lengths: tuple[int, ...] = SEGMENT_LENGTHS, heavy: bool = True,
-                   t_step: float | None = None, eager: float | None = None) -> SegmentChoice:
-    """The segment length for ``n_steps`` steps (module docstring).
+                   t_step: float | None = None, eager: float | None = None,
+                   loops: tuple[int, ...] = ()) -> SegmentChoice:
+    """The segment length and form for ``n_steps`` steps (module docstring).
 
     ``time_of(profile, m) -> (relative time, fits)``: the strategy's (or the budget's best
     plan's) predicted time for an ``m``-step chain of that profile, relative to its plain
@@ -268,7 +311,8 @@ def choose_segment(p: StepProfile, n_steps: int, q: int, d: float, *, mode: Any 
     ``k``), ``"auto"`` (compile only when it pays within ``runs`` unrolls). ``heavy`` and
     ``t_step``: from :class:`Dispatch` (default: no fusion gain, the profile's times).
     ``eager``: the measured seconds of an eager unroll, in place of the model's; the
-    compiled predictions are scaled by the same measured / modelled ratio."""
+    compiled predictions are scaled by the same measured / modelled ratio. ``lengths``: the
+    unrolled segments weighed; ``loops``: the loop segments (:func:`loop_lengths`)."""
     runs = max(1, int(runs))
     p = _scaled(p, t_step)
     rel, _ = time_of(p, n_steps)
@@ -277,29 +321,32 @@ def choose_segment(p: StepProfile, n_steps: int, q: int, d: float, *, mode: Any 
     # (the executor's per-step work) is not removed by compiling
     scale = eager / modelled if eager and modelled > 0 else 1.0
     eager = modelled if eager is None else eager
-    table: list[tuple[int, float, float, bool]] = []
-    for k in lengths:
-        if k > max(1, n_steps):
-            break
-        prof = segment_profile(p, k, q, d, heavy)
+    table: list[tuple[int, str, float, float, bool]] = []
+    weighed = [(k, "unrolled") for k in lengths if k <= max(1, n_steps)] + \
+        [(k, "loop") for k in loops if 1 < k <= n_steps]
+    for k, form in weighed:
+        prof = segment_profile(p, k, q, d, heavy, form)
         m = -(-n_steps // k)
         rel_k, fits = time_of(prof, m)
-        table.append((k, scale * _absolute(rel_k, prof, m), compile_seconds(k, q), fits))
-    ok = [row for row in table if row[3]]
+        table.append((k, form, scale * _absolute(rel_k, prof, m),
+                      compile_seconds(k, q, form), fits))
+    ok = [row for row in table if row[4]]
     if not ok:
         return SegmentChoice(0, "no segment length fits: eager steps", eager, runs=runs,
                              table=table)
-    best = min((runs * t + c, k, t, c) for k, t, c, _ in ok)
-    total, k, t, c = best
-    choice = SegmentChoice(k, "", eager, t, c, runs, table)
+    total, k, form, t, c = min((runs * t + c, k, form, t, c) for k, form, t, c, _ in ok)
+    choice = SegmentChoice(k, "", eager, t, c, runs, table, form)
     gain = runs * eager / total if total > 0 else 1.0
+    what = f"a loop of {k} steps" if form == "loop" else f"k = {k} steps unrolled"
     if mode == "auto" and total > MODEL["margin"] * runs * eager:
         choice.k = 0
-        choice.reason = (f"eager: compiling (best k = {k}) would save "
+        choice.reason = (f"eager: compiling (best: {what}) would save "
                          f"{max(runs * (eager - t), 0):.2g} s over {runs} unroll(s) for "
                          f"{c:.0f} s of compile — not repaid with the 10 % margin")
         return choice
-    choice.reason = (f"k = {k} steps per segment: predicted {t:.3g} s per unroll against "
+    why = (" (the step compiled once as a loop body: its compile does not grow with k)"
+           if form == "loop" else "")
+    choice.reason = (f"{what} per segment{why}: predicted {t:.3g} s per unroll against "
                      f"{eager:.3g} s eager, {c:.0f} s to compile (cold cache), {gain:.2f}x "
                      f"faster over {runs} unroll(s) compile included")
     return choice

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from .. import artefacts
 from ..config import RunConfig, horizon, parse_curriculum
 from ..memory.allocator import release_budget
 from ..memory.meter import host_high_water_mark, process_status, reset_high_water_mark
@@ -270,7 +271,10 @@ class Run:
             else None
         tb_new = tb_dir is not None and not os.path.lexists(tb_dir)
         try:
-            return self._loop()
+            # compiled steps load and keep their artefacts in the run directory, where
+            # --resume and a requeued job find them (deepsolve.artefacts)
+            with artefacts.bound(os.path.join(files.run_dir, artefacts.RUN_FILE)):
+                return self._loop()
         except BaseException:
             if fresh and not self.wrote["rows"] and not self.wrote["restart"]:
                 discard_start(files.run_dir, files.log, tb_dir if tb_new else None,

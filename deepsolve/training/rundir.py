@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import artefacts
 from .._process import pid_alive
 from .progress import note
 from .restart import RestartError, load_restart, remove_quietly
@@ -326,12 +327,16 @@ def remove_empty_dir(path: str) -> None:
 
 def discard_start(run_dir: str, log_path: str, tb_dir: str | None, created: bool) -> None:
     """Remove what a fresh run made before it failed, or was interrupted, ahead of its first
-    row: the new, empty log, the TensorBoard directory it made and, if it made it, the run
-    directory (a directory that was there before is left, as it was)."""
+    row: the new, empty log, the compiled artefacts of its first compile, the TensorBoard
+    directory it made and, if it made it, the run directory (a directory that was there
+    before is left, as it was)."""
     import shutil
 
     if os.path.isfile(log_path) and not os.path.islink(log_path):
         remove_quietly(log_path)
+    compiled = os.path.join(run_dir, artefacts.RUN_FILE)  # a first compile's artefacts
+    if os.path.isfile(compiled) and not os.path.islink(compiled):
+        remove_quietly(compiled)
     if tb_dir is not None and os.path.isdir(tb_dir) and not os.path.islink(tb_dir):
         shutil.rmtree(tb_dir, ignore_errors=True)
     if created:
